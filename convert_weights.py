@@ -1,0 +1,51 @@
+"""Convert a timm ViT checkpoint into a pcsr-jax (Flax + orbax) checkpoint.
+
+    python convert_weights.py SRC --out DIR [--arch NAME] [--num-classes N] [--verify]
+
+SRC: a ``.safetensors``, ``.pth``/``.pt``/``.bin`` (needs torch), Google AugReg
+/ big_vision ``.npz`` file, or ``timm:<model_name>[.<tag>]`` (timm's pretrained
+weights; needs torch, timm and network access). See ``pcsr_jax/convert.py``.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+from pcsr_jax import conversion
+from pcsr_jax.errors import ArgumentParser, run_cli
+
+
+def floats(s: str) -> tuple[float, ...]:
+  """Comma-separated floats (argparse turns the ValueError into a one-line error)."""
+  return tuple(float(v) for v in s.split(","))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  p = ArgumentParser(prog="convert_weights.py", description=__doc__.split("\n\n")[0])
+  p.add_argument("src", help="checkpoint file or timm:<model_name>[.<tag>]")
+  p.add_argument("--out", required=True, help="output checkpoint directory (must not exist)")
+  p.add_argument("--arch", help="timm arch name, e.g. vit_base_patch16_224 (inferred from shapes if omitted)")
+  p.add_argument("--num-classes", type=int, help="expected number of classes of the head")
+  p.add_argument("--mean", type=floats, help="normalization mean, e.g. 0.5,0.5,0.5")
+  p.add_argument("--std", type=floats, help="normalization std")
+  p.add_argument("--interpolation", help="resize interpolation (bicubic, bilinear, ...)")
+  p.add_argument("--crop-pct", type=float, help="center crop fraction")
+  p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+  p.add_argument("--verify", action="store_true", help="compare logits with timm on a random batch (needs torch+timm)")
+  a = p.parse_args(argv)
+  result = conversion.convert_checkpoint(a.src, a.out, arch=a.arch, num_classes=a.num_classes, force=a.force,
+                                         verify=a.verify, mean=a.mean, std=a.std, interpolation=a.interpolation,
+                                         crop_pct=a.crop_pct)
+  meta = result["meta"]
+  print(f"wrote {result['out']}: {meta['arch']}, {meta['num_classes']} classes, {meta['img_size']} px, "
+        f"{result['num_params']:,} params, mean={meta['mean']} std={meta['std']} "
+        f"{meta['interpolation']} crop_pct={meta['crop_pct']}")
+  if a.verify:
+    print(f"verify: max |flax - timm| logit diff = {result['max_abs_diff']:.3e} "
+          f"(max |logit| {result['max_abs_logit']:.3f}, float32, matmul precision highest)")
+  return 0
+
+
+if __name__ == "__main__":
+  run_cli(main, sys.argv[1:])

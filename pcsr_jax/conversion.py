@@ -1,0 +1,43 @@
+"""The conversion pipeline behind ``convert_weights.py``: read, check, map, save, verify."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from pcsr_jax import checkpoint, convert
+from pcsr_jax.errors import UserError
+
+
+def convert_checkpoint(src: str, out: str, arch: str | None = None, num_classes: int | None = None,
+                       force: bool = False, verify: bool = False, **preprocessing: Any) -> dict[str, Any]:
+  """Converts ``src`` into a checkpoint directory ``out``; returns a summary dict.
+
+  ``preprocessing`` overrides (mean, std, interpolation, crop_pct) take
+  precedence over timm's pretrained config, which takes precedence over the
+  augreg defaults.
+  """
+  import os
+
+  if os.path.exists(out) and not force:  # fail before the (possibly slow) read
+    raise UserError(f"{os.path.abspath(out)}: output dir exists (pass --force to overwrite)")
+  if verify:
+    try:
+      import timm  # noqa: F401
+      import torch  # noqa: F401
+    except ImportError:
+      raise UserError("--verify needs torch and timm: pip install 'pcsr-jax[convert]'") from None
+  sd, pretrained_cfg = convert.read_state_dict(src)
+  if arch is None and pretrained_cfg.get("architecture"):
+    arch = pretrained_cfg["architecture"]
+  cfg = convert.infer_config(sd, src, arch=arch, num_classes=num_classes)
+  params = convert.timm_to_flax(sd, cfg, src)
+  meta = checkpoint.make_meta(cfg, convert.preprocessing_meta(cfg, pretrained_cfg, **preprocessing), source=src)
+  path = checkpoint.save(out, params, meta, force=force)
+  result = dict(out=path, meta=meta, num_params=int(sum(np.size(v) for v in sd.values())))
+  if verify:
+    from pcsr_jax import timm_parity
+
+    result["max_abs_diff"], result["max_abs_logit"] = timm_parity.max_logit_diff(cfg, params, sd)
+  return result

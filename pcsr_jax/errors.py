@@ -1,0 +1,33 @@
+"""User-facing errors: one line, exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, NoReturn, Sequence
+
+
+class UserError(Exception):
+  """Bad input from the user (a file, key, flag or value). Printed as one line."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+  """argparse that reports a bad flag in one line (no usage dump) with exit code 2."""
+
+  def error(self, message: str) -> NoReturn:
+    sys.stderr.write(f"{self.prog}: error: {message}\n")
+    sys.exit(2)
+
+
+def run_cli(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None) -> NoReturn:
+  """Runs a CLI entry point, turning `UserError` into a one-line message and exit 2."""
+  try:
+    code = main(argv)
+  except UserError as e:
+    prog = sys.argv[0].rsplit("/", 1)[-1] if sys.argv and sys.argv[0] else "pcsr_jax"
+    sys.stderr.write(f"{prog}: error: {e}\n")
+    sys.exit(2)
+  except KeyboardInterrupt:
+    sys.stderr.write("interrupted\n")
+    sys.exit(130)
+  sys.exit(code or 0)

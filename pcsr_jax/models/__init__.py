@@ -1,0 +1,6 @@
+"""Models: the timm-exact Vision Transformer and its architecture registry."""
+
+from pcsr_jax.models.configs import ViTConfig, get_config, known_archs
+from pcsr_jax.models.vit import VisionTransformer, create, init_params
+
+__all__ = ["ViTConfig", "VisionTransformer", "create", "get_config", "init_params", "known_archs"]

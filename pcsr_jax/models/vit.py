@@ -1,0 +1,169 @@
+"""A Vision Transformer in Flax Linen whose parameters map one-to-one onto timm's.
+
+The parameter tree mirrors timm's ``VisionTransformer`` state dict: timm's
+``blocks.3.attn.qkv.weight`` is ``params['blocks_3']['attn']['qkv']['kernel']``
+(transposed), ``norm1.weight`` is ``norm1/scale``, and so on
+(`pcsr_jax.convert` holds the exact map). Numerics follow timm: pre-norm
+blocks, LayerNorm eps 1e-6, fused qkv with bias, exact (erf) GELU, attention
+scale ``head_dim ** -0.5``, and a position embedding whose slot 0 belongs to
+the class token (concatenate the class token first, then add). The head reads
+token 0.
+
+Scale-shift recalibration. `Attention` takes an optional per-sample
+``(gamma, beta)`` and computes ``gamma * X + beta`` for X in {Q, K, V} over all
+tokens and all heads before the softmax attention (PCSR, eqs. 6-7). The factors
+come from a *recalibrator*: a module built by a `Recalibration` spec, called
+with the block input and its norm1 output, one per layer or one shared by all
+layers. Without a spec no recalibration op is traced, so the plain model costs
+exactly what timm's does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Protocol, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from pcsr_jax.models.configs import ViTConfig
+
+Array = jax.Array
+
+LN_EPS = 1e-6  # timm: partial(nn.LayerNorm, eps=1e-6)
+
+
+class Recalibration(Protocol):
+  """What the ViT needs from a recalibration method such as PCSR.
+
+  ``make()`` returns a fresh module mapping ``(x, h)`` -- the block input and
+  its norm1 output, both ``[B, T, D]`` with the class token at 0 -- to
+  ``(gamma, beta)`` of shape ``[B, S, D]``, where S is 1 (factors shared by
+  Q, K and V) or 3 (independent factors for Q, K, V in that order).
+  """
+
+  shared_across_layers: bool
+
+  def make(self) -> nn.Module:
+    ...
+
+
+def gelu(x: Array) -> Array:
+  """Exact GELU, as torch.nn.GELU(); flax's default is the tanh approximation."""
+  return nn.gelu(x, approximate=False)
+
+
+class PatchEmbed(nn.Module):
+  """timm ``patch_embed``: a stride-p conv, flattened to ``[B, N, D]``."""
+
+  patch_size: int
+  embed_dim: int
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    p = self.patch_size
+    x = nn.Conv(self.embed_dim, (p, p), strides=(p, p), padding="VALID", name="proj")(x)
+    b, h, w, d = x.shape
+    return x.reshape(b, h * w, d)
+
+
+class Attention(nn.Module):
+  """timm ``Attention`` with an optional scale-shift on Q, K and V."""
+
+  dim: int
+  num_heads: int
+
+  @nn.compact
+  def __call__(self, x: Array, scale_shift: Optional[tuple[Array, Array]] = None) -> Array:
+    b, t, d = x.shape
+    h = self.num_heads
+    qkv = nn.Dense(3 * d, name="qkv")(x).reshape(b, t, 3, d)  # timm rows: q | k | v
+    if scale_shift is not None:
+      gamma, beta = scale_shift  # [B, 1 or 3, D]: one factor per channel = per head slice
+      qkv = gamma[:, None] * qkv + beta[:, None]
+    qkv = qkv.reshape(b, t, 3, h, d // h)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    # softmax(q k^T / sqrt(head_dim)) v, as timm (and eq. 7 with d = head dim).
+    out = jax.nn.dot_product_attention(q, k, v, scale=(d // h) ** -0.5)
+    return nn.Dense(d, name="proj")(out.reshape(b, t, d))
+
+
+class Mlp(nn.Module):
+  """timm ``Mlp``: fc1 -> exact GELU -> fc2."""
+
+  hidden_dim: int
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    d = x.shape[-1]
+    return nn.Dense(d, name="fc2")(gelu(nn.Dense(self.hidden_dim, name="fc1")(x)))
+
+
+class Block(nn.Module):
+  """Pre-norm transformer block; ``recalibrator`` feeds the attention's scale-shift."""
+
+  dim: int
+  num_heads: int
+  mlp_dim: int
+  recalibrator: Optional[nn.Module] = None
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    h = nn.LayerNorm(epsilon=LN_EPS, name="norm1")(x)
+    ss = self.recalibrator(x, h) if self.recalibrator is not None else None
+    x = x + Attention(self.dim, self.num_heads, name="attn")(h, ss)
+    h = nn.LayerNorm(epsilon=LN_EPS, name="norm2")(x)
+    return x + Mlp(self.mlp_dim, name="mlp")(h)
+
+
+class VisionTransformer(nn.Module):
+  """timm ``VisionTransformer`` (class token, no register tokens, no fc_norm).
+
+  Input: float32 NHWC images normalized with the checkpoint's mean and std.
+  Output: ``[B, num_classes]`` logits, or ``[B, D]`` features when
+  ``num_classes == 0``. With ``return_features=True`` it also returns the token
+  features after every block (a tuple of ``[B, T, D]``).
+  """
+
+  config: ViTConfig
+  recalibration: Optional[Any] = None  # a `Recalibration` spec, e.g. pcsr.PCSRConfig
+
+  def setup(self):
+    c = self.config
+    self.patch_embed = PatchEmbed(c.patch_size, c.embed_dim)
+    self.cls_token = self.param("cls_token", nn.initializers.normal(1e-6), (1, 1, c.embed_dim))
+    self.pos_embed = self.param("pos_embed", nn.initializers.normal(0.02), (1, c.num_patches + 1, c.embed_dim))
+    recals: Sequence[Optional[nn.Module]] = [None] * c.depth
+    if self.recalibration is not None:
+      n = 1 if self.recalibration.shared_across_layers else c.depth
+      # Top-level children (``recal_0`` ...), so the backbone tree stays exactly timm's.
+      self.recal = [self.recalibration.make() for _ in range(n)]
+      recals = [self.recal[i % n] for i in range(c.depth)]
+    self.blocks = [Block(c.embed_dim, c.num_heads, c.mlp_dim, recalibrator=recals[i]) for i in range(c.depth)]
+    self.norm = nn.LayerNorm(epsilon=LN_EPS)
+    if c.num_classes > 0:
+      self.head = nn.Dense(c.num_classes)
+
+  def __call__(self, x: Array, return_features: bool = False):
+    x = self.patch_embed(x)
+    cls = jnp.broadcast_to(self.cls_token, (x.shape[0], 1, x.shape[-1])).astype(x.dtype)
+    x = jnp.concatenate([cls, x], axis=1) + self.pos_embed
+    feats = []
+    for blk in self.blocks:
+      x = blk(x)
+      feats.append(x)
+    x = self.norm(x)[:, 0]
+    logits = self.head(x) if self.config.num_classes > 0 else x
+    return (logits, tuple(feats)) if return_features else logits
+
+
+def create(config: ViTConfig, recalibration: Optional[Any] = None) -> VisionTransformer:
+  """The Flax module for ``config``; ``recalibration`` plugs in e.g. PCSR."""
+  return VisionTransformer(config, recalibration)
+
+
+def init_params(model: VisionTransformer, rng: Array, batch_size: int = 1) -> dict:
+  """Randomly initialized params (for tests and training from scratch)."""
+  c = model.config
+  x = jnp.zeros((batch_size, c.img_size, c.img_size, c.in_chans), jnp.float32)
+  return model.init(rng, x)["params"]

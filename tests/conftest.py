@@ -1,0 +1,32 @@
+"""Shared test set-up: float32 'highest' matmuls, tiny configs, and the torch marker."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import jax
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # convert_weights.py, benchmarks/ and tests/ helpers import from the repo root
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _have_torch() -> bool:
+  return all(importlib.util.find_spec(m) is not None for m in ("torch", "timm"))
+
+
+def pytest_configure(config):
+  if os.environ.get("PCSR_REQUIRE_TORCH") == "1" and not _have_torch():
+    raise pytest.UsageError("PCSR_REQUIRE_TORCH=1 but torch/timm cannot be imported")
+
+
+def pytest_collection_modifyitems(config, items):
+  if _have_torch():
+    return
+  skip = pytest.mark.skip(reason="needs torch and timm (pip install -e '.[convert]')")
+  for item in items:
+    if "torch" in item.keywords:
+      item.add_marker(skip)
