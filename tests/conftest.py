@@ -12,6 +12,11 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # convert_weights.py, benchmarks/ and tests/ helpers import from the repo root
 jax.config.update("jax_default_matmul_precision", "highest")
+# XLA's CPU compiles dominate this suite; a persistent cache lets identical programs (the same method
+# rebuilt in another test, or in CI's second pass) skip recompiling. It changes no result.
+jax.config.update("jax_compilation_cache_dir", os.environ.get(
+    "PCSR_TEST_XLA_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "pcsr-jax", "xla-tests")))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def _have_torch() -> bool:

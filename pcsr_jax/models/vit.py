@@ -166,4 +166,4 @@ def init_params(model: VisionTransformer, rng: Array, batch_size: int = 1) -> di
   """Randomly initialized params (for tests and training from scratch)."""
   c = model.config
   x = jnp.zeros((batch_size, c.img_size, c.img_size, c.in_chans), jnp.float32)
-  return model.init(rng, x)["params"]
+  return jax.jit(model.init)(rng, x)["params"]

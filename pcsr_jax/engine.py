@@ -1,0 +1,116 @@
+"""The online adaptation engine: one jitted, donated, sharded step per method.
+
+    adapter = Adapter(methods.get("pcsr"), model, params, batch_size=64)
+    state = adapter.init_state()
+    for images in stream:                      # NHWC float32, normalized
+      state, logits, metrics = adapter.step(state, images)
+    state = adapter.init_state()               # reset to the source model (new domain)
+
+* ``step(state, images)`` is a pure function of its inputs (the frozen
+  backbone is passed to the compiled function as an argument, not baked in).
+  It is compiled once per batch size: a smaller (ragged) last batch is padded
+  to the full size and masked, so a whole stream compiles exactly once. The
+  state buffers are donated, and nothing is copied to the host.
+* ``eval_order='before'`` returns the logits of the forward that computed the
+  loss (SAR's code); ``'after'`` re-runs the forward with the updated params
+  (PCSR's Algorithm 1). The default is the method's own.
+* The batch is sharded over a 1-D ``'data'`` mesh of all devices, params and
+  state are replicated; the global batch is padded to a multiple of the device
+  count. The batch is placed with ``jax.make_array_from_process_local_data``,
+  so under ``jax.distributed.initialize`` each process passes its own slice
+  and the step is unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from pcsr_jax.errors import UserError
+from pcsr_jax.methods.base import AdaptState, Method, split
+
+EVAL_ORDERS = ("before", "after")
+
+
+def data_mesh(devices: Optional[list] = None) -> Mesh:
+  """A 1-D mesh named ``'data'`` over all (global) devices."""
+  devices = jax.devices() if devices is None else devices
+  return Mesh(np.asarray(devices), ("data",))
+
+
+class Adapter:
+  """Runs one method online over a stream of batches of a fixed size."""
+
+  def __init__(self, method: Method, model, params: Any, *, batch_size: int, eval_order: Optional[str] = None,
+               mesh: Optional[Mesh] = None, seed: int = 0):
+    if batch_size < 1:
+      raise UserError(f"--batch-size: expected a positive integer, got {batch_size}")
+    self.method = method
+    self.eval_order = eval_order or method.default_eval_order
+    if self.eval_order not in EVAL_ORDERS:
+      raise UserError(f"--eval-order: expected before or after, got '{self.eval_order}'")
+    self.batch_size = batch_size
+    self.mesh = mesh if mesh is not None else data_mesh()
+    n_dev = self.mesh.devices.size
+    self.padded_batch = math.ceil(batch_size / n_dev) * n_dev
+    init_rng, state_rng = jax.random.split(jax.random.key(seed))
+    self.prep = method.prepare(model, params, init_rng, batch_size)
+    frozen, trainable = split(self.prep.params, self.prep.is_trainable)
+    opt_state = self.prep.tx.init(trainable)
+    state = AdaptState(trainable=trainable, opt_state=opt_state, step=jnp.zeros((), jnp.int32), rng=state_rng,
+                       ema=jnp.zeros((), jnp.float32), ema_valid=jnp.zeros((), bool),
+                       resets=jnp.zeros((), jnp.int32),
+                       source=(trainable, opt_state) if self.prep.keeps_source else None)
+    self._replicated = NamedSharding(self.mesh, P())
+    self._batch_sharding = NamedSharding(self.mesh, P("data"))
+    self.frozen = jax.device_put(frozen, self._replicated)
+    self._initial = jax.device_put(state, self._replicated)
+    self.num_traces = 0  # how many times the step was traced (= compiled): one per stream
+    self._step = jax.jit(self._step_impl, donate_argnums=(1,),
+                         in_shardings=(self._replicated, self._replicated, self._batch_sharding,
+                                       self._batch_sharding),
+                         out_shardings=(self._replicated, self._batch_sharding, self._replicated))
+
+  @property
+  def num_trainable(self) -> int:
+    return int(sum(np.size(x) for x in jax.tree.leaves(self._initial.trainable)))
+
+  def init_state(self) -> AdaptState:
+    """A fresh copy of the source state (its buffers are donated to the step)."""
+    return jax.tree.map(lambda x: x.copy(), self._initial)
+
+  def _step_impl(self, frozen, state: AdaptState, images, valid):
+    self.num_traces += 1
+    state, logits, metrics = self.method.update(self.prep, frozen, state, images, valid)
+    if self.eval_order == "after":
+      logits, _ = self.method.forward(self.prep, frozen, state.trainable, images)
+    return state, logits, metrics
+
+  def pad(self, images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Pads a batch of up to ``batch_size`` images to the compiled size; returns (images, valid)."""
+    n = images.shape[0]
+    if not 0 < n <= self.batch_size:
+      raise UserError(f"batch of {n} images: expected 1 to {self.batch_size}")
+    valid = np.arange(self.padded_batch) < n
+    if n < self.padded_batch:
+      pad = np.zeros((self.padded_batch - n,) + images.shape[1:], images.dtype)
+      images = np.concatenate([images, pad])
+    return images, valid
+
+  def step(self, state: AdaptState, images) -> tuple[AdaptState, jax.Array, dict[str, jax.Array]]:
+    """One online step on a batch (NHWC, normalized). Logits of padded rows are garbage: use ``[:n]``."""
+    images, valid = self.pad(np.asarray(images, np.float32))
+    images = jax.make_array_from_process_local_data(self._batch_sharding, images)
+    valid = jax.make_array_from_process_local_data(self._batch_sharding, valid)
+    return self._step(self.frozen, state, images, valid)
+
+  def params(self, state: AdaptState) -> Any:
+    """The full params (backbone + adapted) of a state, e.g. to save or inspect."""
+    from pcsr_jax.methods.base import merge
+
+    return merge(self.frozen, state.trainable)

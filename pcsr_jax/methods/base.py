@@ -1,0 +1,133 @@
+"""The interface every online TTA method implements, and the state it carries.
+
+A method is a frozen dataclass with two jobs:
+
+* `Method.prepare` says *what* adapts: it may add modules to the model (PCSR
+  adds its recalibrators), returns the full params, a predicate over parameter
+  paths that marks the trainable ones, and the optax transformation.
+* `Method.update` says *how*: a pure function of the frozen params, the state
+  and a batch (with a validity mask for padding) that returns the new state,
+  the logits of the forward that computed the loss (the "before the update"
+  prediction), and a dict of scalar metrics. It runs inside ``jax.jit``.
+
+Everything else -- jit, donation, padding of ragged batches, sharding, the
+eval order, resets between domains -- is the engine's (`pcsr_jax.engine`).
+Adding a method (EATA, DeYO, ROID) means one new file that subclasses `Method`
+and registers itself in `pcsr_jax.methods`.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Callable, ClassVar
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax import traverse_util
+
+from pcsr_jax import losses
+
+Array = jax.Array
+Params = Any
+Path = tuple[str, ...]
+
+
+@flax.struct.dataclass
+class AdaptState:
+  """Everything that changes along a stream (a pytree; donated to every step).
+
+  ``source`` holds the trainable params and optimizer state to restore on an
+  in-step reset (SAR's model recovery); it is ``None`` for methods that never
+  reset themselves. ``ema`` / ``ema_valid`` hold SAR's moving average of the
+  second-pass loss (``ema_valid`` False = PyTorch's ``None``).
+  """
+
+  trainable: Params
+  opt_state: Any
+  step: Array
+  rng: Array
+  ema: Array
+  ema_valid: Array
+  resets: Array
+  source: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+  """What `Method.prepare` returns."""
+
+  model: nn.Module
+  params: Params
+  is_trainable: Callable[[Path], bool]
+  tx: optax.GradientTransformation
+  keeps_source: bool = False  # store the initial trainable/opt state in the state for in-step resets
+
+
+def split(params: Params, is_trainable: Callable[[Path], bool]) -> tuple[Params, Params]:
+  """Splits a param tree into ``(frozen, trainable)`` nested dicts by path."""
+  flat = traverse_util.flatten_dict(params)
+  frozen = {k: v for k, v in flat.items() if not is_trainable(k)}
+  trainable = {k: v for k, v in flat.items() if is_trainable(k)}
+  return traverse_util.unflatten_dict(frozen), traverse_util.unflatten_dict(trainable)
+
+
+def merge(frozen: Params, trainable: Params) -> Params:
+  """Inverse of `split`."""
+  flat = traverse_util.flatten_dict(frozen)
+  flat.update(traverse_util.flatten_dict(trainable))
+  return traverse_util.unflatten_dict(flat)
+
+
+def is_layernorm_param(path: Path) -> bool:
+  """LayerNorm scale/bias: ``blocks_i/norm1``, ``blocks_i/norm2`` and the final ``norm``."""
+  return len(path) >= 2 and path[-2] in ("norm1", "norm2", "norm") and path[-1] in ("scale", "bias")
+
+
+def sgd(lr: float, momentum: float) -> optax.GradientTransformation:
+  """PyTorch's SGD (dampening 0, no Nesterov, no weight decay): buf = m*buf + g; p -= lr*buf."""
+  return optax.sgd(lr, momentum=momentum if momentum else None)
+
+
+def tree_where(cond: Array, a: Any, b: Any) -> Any:
+  return jax.tree.map(lambda x, y: jnp.where(cond, x, y), a, b)
+
+
+@dataclasses.dataclass(frozen=True)
+class Method(abc.ABC):
+  """Base class of online TTA methods. Subclasses are frozen dataclasses of hyperparameters."""
+
+  name: ClassVar[str]
+  default_eval_order: ClassVar[str] = "before"  # SAR's code reports the loss forward's prediction
+
+  # Reliability threshold E0 = margin_factor * ln(C) (0.4 ln 1000 for ImageNet).
+  margin_factor: float = 0.4
+
+  @abc.abstractmethod
+  def prepare(self, model: nn.Module, params: Params, rng: Array, batch_size: int) -> Prepared:
+    """Model, full params, trainable predicate and optimizer for a stream of ``batch_size`` batches."""
+
+  @abc.abstractmethod
+  def update(self, prep: Prepared, frozen: Params, state: AdaptState, images: Array,
+             valid: Array) -> tuple[AdaptState, Array, dict[str, Array]]:
+    """One online step: ``(state, logits_of_the_loss_forward, metrics)``."""
+
+  def margin(self, num_classes: int) -> float:
+    return losses.entropy_margin(num_classes, self.margin_factor)
+
+  @staticmethod
+  def forward(prep: Prepared, frozen: Params, trainable: Params, images: Array,
+              collect: tuple[str, ...] = ()) -> tuple[Array, dict]:
+    """Logits, plus the sown collections named in ``collect`` (e.g. PCSR's 'losses')."""
+    variables = {"params": merge(frozen, trainable)}
+    if collect:
+      return prep.model.apply(variables, images, mutable=list(collect))
+    return prep.model.apply(variables, images), {}
+
+  @staticmethod
+  def apply_gradients(prep: Prepared, state: AdaptState, grads: Params) -> AdaptState:
+    updates, opt_state = prep.tx.update(grads, state.opt_state, state.trainable)
+    return state.replace(trainable=optax.apply_updates(state.trainable, updates), opt_state=opt_state)

@@ -1,0 +1,42 @@
+"""TENT (Wang et al., ICLR 2021) for ViTs, as run in SAR's code.
+
+All LayerNorm affine params (every block's norm1/norm2 and the final norm),
+SGD(lr = 0.001 * B / 64, momentum 0.9), loss = mean entropy over the whole
+batch, no reset. The reported prediction is the loss forward's (before the update).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Optional
+
+import jax
+
+from pcsr_jax import losses
+from pcsr_jax.methods.base import Method, Prepared, is_layernorm_param, sgd
+
+
+def sar_code_lr(batch_size: int) -> float:
+  """SAR's learning rate for timm ViTs: 0.001 * B / 64."""
+  return 0.001 * batch_size / 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Tent(Method):
+  name: ClassVar[str] = "tent"
+  lr: Optional[float] = None  # None: 0.001 * B / 64
+  momentum: float = 0.9
+
+  def prepare(self, model, params, rng, batch_size):
+    lr = self.lr if self.lr is not None else sar_code_lr(batch_size)
+    return Prepared(model, params, is_trainable=is_layernorm_param, tx=sgd(lr, self.momentum))
+
+  def update(self, prep, frozen, state, images, valid):
+    def loss_fn(trainable):
+      logits, _ = self.forward(prep, frozen, trainable, images)
+      ent = losses.entropy(logits)
+      return losses.masked_mean(ent, valid), logits
+
+    (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.trainable)
+    state = self.apply_gradients(prep, state, grads).replace(step=state.step + 1)
+    return state, logits, {"loss": loss}

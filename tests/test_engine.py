@@ -1,0 +1,143 @@
+"""The engine: one compile per stream, padding, eval order, determinism, resets, donation, multi-device."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from pcsr_jax import engine, methods
+from test_methods import run
+from tiny import batches, tiny_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("name", ["source", "tent", "sar", "pcsr"])
+def test_one_compile_for_a_stream_with_a_ragged_last_batch(name):
+  ad, _, _, out = run(methods.get(name), n=4, batch_size=6, last=2, fresh=True)
+  assert ad.num_traces == 1
+  assert ad._step._cache_size() == 1
+  assert [len(l) for _, l, _ in out] == [6, 6, 6, 2]
+
+
+def test_padding_does_not_change_the_real_samples():
+  """A ragged batch gives the same logits and update as the same samples in an exact-size stream."""
+  model, params = tiny_model()
+  x = batches(1, 3)[0]
+  padded = engine.Adapter(methods.get("pcsr"), model, params, batch_size=8)
+  exact = engine.Adapter(methods.get("pcsr"), model, params, batch_size=3)
+  s1, l1, m1 = padded.step(padded.init_state(), x)
+  s2, l2, m2 = exact.step(exact.init_state(), x)
+  np.testing.assert_allclose(np.asarray(l1)[:3], np.asarray(l2), atol=1e-5)
+  for k in m1:
+    np.testing.assert_allclose(np.asarray(m1[k]), np.asarray(m2[k]), rtol=1e-5, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(s1.trainable), jax.tree.leaves(s2.trainable)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["tent", "pcsr"])
+def test_batch_size_one(name):
+  ad, state, _, out = run(methods.get(name, margin_factor=2.0), n=3, batch_size=1, fresh=True)
+  assert ad.num_traces == 1 and all(l.shape == (1, 10) for _, l, _ in out)
+  assert int(state.step) == 3
+
+
+def test_eval_order_after_predicts_with_the_updated_params():
+  ad, state, _, out = run(methods.get("tent", lr=0.5), n=1, eval_order="after")
+  x, logits, _ = out[0]
+  updated = ad.prep.model.apply({"params": ad.params(state)}, x)
+  np.testing.assert_allclose(logits, np.asarray(updated), atol=1e-5)
+  _, _, _, before = run(methods.get("tent", lr=0.5), n=1, eval_order="before")
+  source = ad.prep.model.apply({"params": ad.prep.params}, x)
+  np.testing.assert_allclose(before[0][1], np.asarray(source), atol=1e-5)
+  assert np.abs(logits - before[0][1]).max() > 1e-4
+
+
+def test_default_eval_orders():
+  assert methods.get("pcsr").default_eval_order == "after"
+  assert {methods.get(n).default_eval_order for n in ("source", "tent", "sar")} == {"before"}
+
+
+@pytest.mark.parametrize("name", ["tent", "sar", "pcsr"])
+def test_same_seed_is_bit_identical(name):
+  a = run(methods.get(name), n=3, seed=7, fresh=True)  # two independent adapters
+  b = run(methods.get(name), n=3, seed=7, fresh=True)
+  keys = lambda s: jax.tree.leaves((s.trainable, s.opt_state, s.ema, s.step))
+  for x, y in zip(keys(a[1]), keys(b[1])):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  for (_, la, _), (_, lb, _) in zip(a[3], b[3]):
+    np.testing.assert_array_equal(la, lb)
+
+
+def test_init_state_resets_to_source_and_state_is_donated():
+  model, params = tiny_model()
+  ad = engine.Adapter(methods.get("tent", lr=0.1), model, params, batch_size=4)
+  s0 = ad.init_state()
+  s1, _, _ = ad.step(s0, batches(1, 4)[0])
+  assert all(x.is_deleted() for x in jax.tree.leaves(s0.trainable))  # donated to the step
+  fresh = ad.init_state()
+  flat_src = {k: v for k, v in jax.tree.leaves_with_path(ad._initial.trainable)}
+  for kp, v in jax.tree.leaves_with_path(fresh.trainable):
+    np.testing.assert_array_equal(np.asarray(v), np.asarray(flat_src[kp]))
+  assert any(not np.array_equal(np.asarray(a), np.asarray(b))
+             for a, b in zip(jax.tree.leaves(s1.trainable), jax.tree.leaves(fresh.trainable)))
+
+
+def test_bad_batch_and_eval_order():
+  from pcsr_jax.errors import UserError
+
+  model, params = tiny_model()
+  with pytest.raises(UserError, match="--eval-order"):
+    engine.Adapter(methods.get("tent"), model, params, batch_size=4, eval_order="during")
+  ad = engine.Adapter(methods.get("tent"), model, params, batch_size=4)
+  with pytest.raises(UserError, match="batch of 5 images"):
+    ad.step(ad.init_state(), batches(1, 5)[0])
+
+
+MULTI_DEVICE_SCRIPT = r"""
+import json, sys
+import jax, numpy as np
+sys.path.insert(0, sys.argv[1])
+jax.config.update("jax_compilation_cache_dir", sys.argv[2])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+from pcsr_jax import engine, methods
+from tiny import batches, tiny_model
+assert len(jax.devices()) == 4, jax.devices()
+out = {}
+for name in ["sar", "pcsr"]:  # SAR's two passes and masks; PCSR's recalibrators and similarity term
+  model, params = tiny_model()
+  res = []
+  for devs in (jax.devices()[:1], jax.devices()):
+    ad = engine.Adapter(methods.get(name), model, params, batch_size=6,
+                        mesh=engine.data_mesh(devs))
+    state, logits_all = ad.init_state(), []
+    for x in batches(3, 6, last=3):
+      state, logits, _ = ad.step(state, x)
+      logits_all.append(np.asarray(logits)[: len(x)])
+    res.append((np.concatenate(logits_all), [np.asarray(l) for l in jax.tree.leaves(state.trainable)],
+                ad.padded_batch, len(logits.sharding.device_set)))
+  (l1, p1, b1, d1), (l4, p4, b4, d4) = res
+  out[name] = dict(logit_diff=float(np.abs(l1 - l4).max()),
+                   param_diff=max(float(np.abs(a - b).max()) for a, b in zip(p1, p4)),
+                   pred_equal=bool((l1.argmax(-1) == l4.argmax(-1)).all()), padded=[b1, b4], devices=[d1, d4])
+print(json.dumps(out))
+"""
+
+
+def test_four_cpu_devices_equal_one_device():
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+  r = subprocess.run([sys.executable, "-c", MULTI_DEVICE_SCRIPT, os.path.join(ROOT, "tests"),
+                      jax.config.jax_compilation_cache_dir], env=env,
+                     capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  out = json.loads(r.stdout.strip().splitlines()[-1])
+  for name, o in out.items():
+    assert o["padded"] == [6, 8] and o["devices"] == [1, 4], (name, o)
+    assert o["pred_equal"], (name, o)
+    assert o["logit_diff"] < 1e-4 and o["param_diff"] < 1e-5, (name, o)

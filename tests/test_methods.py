@@ -1,0 +1,189 @@
+"""The methods' protocol details: what adapts, each loss, SAR's filters and recovery, empty masks."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import traverse_util
+
+from pcsr_jax import engine, losses, methods
+from pcsr_jax.methods.base import merge
+from test_losses import np_entropy
+from tiny import TINY, batches, tiny_model
+
+B = 8
+
+
+@functools.lru_cache(maxsize=None)
+def adapter(method, batch_size=B, eval_order=None, seed=0):
+  """One compiled adapter per configuration, shared by the tests (each run starts from init_state())."""
+  model, params = tiny_model()
+  return engine.Adapter(method, model, params, batch_size=batch_size, eval_order=eval_order, seed=seed)
+
+
+def run(method, n=4, batch_size=B, eval_order=None, seed=0, data_seed=0, last=None, fresh=False):
+  if fresh:
+    model, params = tiny_model()
+    ad = engine.Adapter(method, model, params, batch_size=batch_size, eval_order=eval_order, seed=seed)
+  else:
+    ad = adapter(method, batch_size, eval_order, seed)
+  params = tiny_model()[1]
+  state = ad.init_state()
+  out = []
+  for x in batches(n, batch_size, seed=data_seed, last=last):
+    state, logits, metrics = ad.step(state, x)
+    out.append((x, np.asarray(logits)[: len(x)], jax.tree.map(np.asarray, metrics)))
+  return ad, state, params, out
+
+
+def flat_paths(tree):
+  return {"/".join(k) for k in traverse_util.flatten_dict(tree)}
+
+
+def test_trainable_sets():
+  model, params = tiny_model()
+  tent = engine.Adapter(methods.get("tent"), model, params, batch_size=B)
+  assert flat_paths(tent.init_state().trainable) == {f"blocks_{i}/{n}/{p}" for i in range(TINY.depth)
+                                                    for n in ("norm1", "norm2") for p in ("scale", "bias")} | {
+                                                        "norm/scale", "norm/bias"}
+  sar = methods.SAR(skip_blocks=(1,))  # the tiny model has 2 blocks; the default skips blocks 9-11
+  sar_ad = engine.Adapter(sar, model, params, batch_size=B)
+  assert flat_paths(sar_ad.init_state().trainable) == {f"blocks_0/{n}/{p}"
+                                                      for n in ("norm1", "norm2") for p in ("scale", "bias")}
+  pcsr_ad = engine.Adapter(methods.get("pcsr"), model, params, batch_size=B)
+  assert {p.split("/")[0] for p in flat_paths(pcsr_ad.init_state().trainable)} == {f"recal_{i}" for i in range(TINY.depth)}
+  assert engine.Adapter(methods.get("source"), model, params, batch_size=B).num_trainable == 0
+
+
+def test_sar_default_skips_blocks_9_to_11_of_vit_base():
+  from pcsr_jax.models import configs
+
+  paths = [(f"blocks_{i}", n, p) for i in range(12) for n in ("norm1", "norm2") for p in ("scale", "bias")]
+  paths += [("norm", "scale"), ("blocks_0", "attn", "qkv", "kernel")]
+  chosen = {p[0] for p in paths if methods.SAR().trainable(p)}
+  assert chosen == {f"blocks_{i}" for i in range(9)}
+  assert configs.get_config("vit_base_patch16_224").depth == 12
+
+
+@pytest.mark.parametrize("name", ["tent", "sar", "pcsr"])
+def test_only_intended_params_change_and_backbone_is_bit_identical(name):
+  method = methods.get(name) if name != "tent" else methods.get(name)
+  ad, state, params, _ = run(method)
+  full = traverse_util.flatten_dict(jax.tree.map(np.asarray, ad.params(state)))
+  source = traverse_util.flatten_dict(ad.prep.params)
+  trainable = set(traverse_util.flatten_dict(state.trainable))
+  changed = {k for k in source if not np.array_equal(full[k], np.asarray(source[k]))}
+  assert changed and changed <= trainable, sorted(changed - trainable)
+  frozen = traverse_util.flatten_dict(ad.frozen)
+  assert set(frozen) | trainable == set(full) and not set(frozen) & trainable
+  for k, v in traverse_util.flatten_dict(params).items():
+    if k not in trainable:
+      np.testing.assert_array_equal(full[k], v)  # the frozen backbone is untouched, bit for bit
+
+
+def test_tent_loss_is_mean_entropy_of_whole_batch():
+  _, _, _, out = run(methods.get("tent"), n=1)
+  x, logits, m = out[0]
+  np.testing.assert_allclose(m["loss"], np_entropy(logits.astype(np.float64)).mean(), rtol=1e-5)
+
+
+def test_pcsr_loss_is_reliable_entropy_plus_lambda_similarity():
+  method = methods.get("pcsr")
+  _, _, _, out = run(method, n=1, eval_order="before")
+  x, logits, m = out[0]
+  ent = np_entropy(logits.astype(np.float64))
+  rel = ent < method.margin(TINY.num_classes)
+  assert 0 < rel.sum() < B and m["num_reliable"] == rel.sum()
+  np.testing.assert_allclose(m["entropy_loss"], ent[rel].mean(), rtol=1e-5)
+  assert m["similarity_loss"] < 0
+  np.testing.assert_allclose(m["loss"], m["entropy_loss"] + rel.sum() / B * m["similarity_loss"], rtol=1e-5)
+
+
+def test_sar_first_mask_is_strict_reliable_entropy():
+  method = methods.get("sar", skip_blocks=())
+  _, _, _, out = run(method, n=3)
+  for x, logits, m in out:
+    ent = np_entropy(logits.astype(np.float64))
+    rel = ent < method.margin(TINY.num_classes)
+    assert m["num_reliable"] == rel.sum()
+    np.testing.assert_allclose(m["loss"], ent[rel].mean() if rel.any() else 0.0, rtol=1e-5)
+
+
+def test_sar_second_pass_refilters_within_first_mask():
+  # A large rho pushes some first-pass reliable samples above E0 at the perturbed weights.
+  method = methods.get("sar", rho=5.0, skip_blocks=())
+  _, _, _, out = run(method, n=6)
+  n1 = np.array([m["num_reliable"] for _, _, m in out])
+  n2 = np.array([m["num_reliable2"] for _, _, m in out])
+  assert (n2 <= n1).all()
+  assert (n2 < n1).any() and (n2 > 0).any()
+
+
+def test_sar_ema_follows_official_recursion():
+  method = methods.get("sar", skip_blocks=())
+  _, _, _, out = run(method, n=5)
+  ema = None
+  for _, _, m in out:
+    if m["num_reliable2"] > 0:
+      ema = float(m["loss2"]) if ema is None else 0.9 * ema + 0.1 * float(m["loss2"])
+    np.testing.assert_allclose(m["ema"], ema, rtol=1e-5)
+    assert not m["reset"]
+
+
+def test_sar_reset_fires_below_threshold_and_restores_source():
+  method = methods.get("sar", skip_blocks=(), reset_constant=100.0)  # any EMA < 100
+  ad, state, _, out = run(method, n=2)
+  assert all(bool(m["reset"]) for _, _, m in out) and int(state.resets) == 2
+  src = ad.init_state()
+  for a, b in zip(jax.tree.leaves(state.trainable) + jax.tree.leaves(state.opt_state),
+                  jax.tree.leaves(src.trainable) + jax.tree.leaves(src.opt_state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert bool(state.ema_valid)  # SAR's code writes the pre-reset EMA back
+  _, cleared, _, _ = run(methods.get("sar", skip_blocks=(), reset_constant=100.0,
+                                     clear_ema_on_reset=True), n=1)
+  assert not bool(cleared.ema_valid)
+
+
+def test_sar_no_reset_above_threshold():
+  _, state, _, _ = run(methods.get("sar", skip_blocks=(), reset_constant=0.0), n=3)
+  assert int(state.resets) == 0
+
+
+@pytest.mark.parametrize("name", ["tent", "sar", "pcsr"])
+def test_empty_mask_keeps_everything_finite(name):
+  method = methods.get(name, margin_factor=0.0)  # E0 = 0: no sample is ever reliable
+  ad, state, _, out = run(method, n=3)
+  for leaf in jax.tree.leaves(state):
+    if jnp.issubdtype(leaf.dtype, jnp.floating):
+      assert np.isfinite(np.asarray(leaf)).all()
+  for _, logits, m in out:
+    assert np.isfinite(logits).all() and all(np.isfinite(v).all() for v in m.values())
+  if name != "tent":  # TENT uses every sample; for the others an empty mask means a zero gradient
+    assert all(m.get("num_reliable", 0) == 0 for _, _, m in out)
+    for a, b in zip(jax.tree.leaves(state.trainable), jax.tree.leaves(ad.init_state().trainable)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_sar_lr_doubles_at_batch_size_one():
+  auto = run(methods.get("sar", skip_blocks=()), n=3, batch_size=1)[1]
+  manual = run(methods.get("sar", skip_blocks=(), lr=2 * 0.001 / 64), n=3, batch_size=1)[1]
+  for a, b in zip(jax.tree.leaves(auto.trainable), jax.tree.leaves(manual.trainable)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_pcsr_vit_large_preset():
+  assert (methods.PCSR.preset("vit_large_patch16_224").lr_dsn, methods.PCSR.preset("vit_large_patch16_224").lr_fgn) \
+      == (0.05, 0.0001)
+  assert (methods.PCSR.preset("vit_base_patch16_224").lr_dsn, methods.PCSR.preset("vit_base_patch16_224").lr_fgn) \
+      == (0.2, 0.0005)
+
+
+def test_unknown_method():
+  from pcsr_jax.errors import UserError
+
+  with pytest.raises(UserError, match="unknown method 'eata'"):
+    methods.get("eata")
