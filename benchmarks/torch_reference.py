@@ -96,7 +96,7 @@ class TorchAdapter:
       self.source = (copy.deepcopy([p.detach().clone() for p in self.params]), copy.deepcopy(self.opt.state_dict()))
     elif method == "pcsr":
       d = model.embed_dim
-      self.recals = nn.ModuleList([Recalibrator(d) for _ in model.blocks])
+      self.recals = nn.ModuleList([Recalibrator(d) for _ in model.blocks]).to(model.cls_token.device)
       for i, (blk, rc) in enumerate(zip(model.blocks, self.recals)):
         if pcsr_params is not None:
           load_recalibrator(rc, pcsr_params[f"recal_{i}"])

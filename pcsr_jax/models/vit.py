@@ -81,11 +81,13 @@ class Attention(nn.Module):
     if scale_shift is not None:
       gamma, beta = scale_shift  # [B, 1 or 3, D]: one factor per channel = per head slice
       qkv = gamma[:, None] * qkv + beta[:, None]
-    qkv = qkv.reshape(b, t, 3, h, d // h)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    # softmax(q k^T / sqrt(head_dim)) v, as timm (and eq. 7 with d = head dim).
-    out = jax.nn.dot_product_attention(q, k, v, scale=(d // h) ** -0.5)
-    return nn.Dense(d, name="proj")(out.reshape(b, t, d))
+    qkv = qkv.reshape(b, t, 3, h, d // h).transpose(2, 0, 3, 1, 4)  # [3, B, H, T, Dh], as timm
+    q, k, v = qkv[0], qkv[1], qkv[2]
+    # softmax(q k^T / sqrt(head_dim)) v, as timm (and eq. 7 with d = head dim). Head-major batched
+    # matmuls: on XLA:CPU about 1.4x faster than jax.nn.dot_product_attention's [B, T, H, Dh] layout.
+    attn = jax.nn.softmax(jnp.matmul(q * (d // h) ** -0.5, jnp.swapaxes(k, -1, -2)), axis=-1)
+    out = jnp.matmul(attn, v).transpose(0, 2, 1, 3).reshape(b, t, d)
+    return nn.Dense(d, name="proj")(out)
 
 
 class Mlp(nn.Module):
