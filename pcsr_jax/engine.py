@@ -109,6 +109,16 @@ class Adapter:
     valid = jax.make_array_from_process_local_data(self._batch_sharding, valid)
     return self._step(self.frozen, state, images, valid)
 
+  def state_to_host(self, state: AdaptState) -> Any:
+    """A numpy pytree of ``state`` for checkpointing (the PRNG key as raw key data)."""
+    return jax.tree.map(np.asarray, state.replace(rng=jax.random.key_data(state.rng)))
+
+  def state_from_host(self, tree: Any) -> AdaptState:
+    """Inverse of `state_to_host`, placed (replicated) on the mesh."""
+    state = jax.tree.map(jnp.asarray, tree)
+    state = state.replace(rng=jax.random.wrap_key_data(state.rng))
+    return jax.device_put(state, self._replicated)
+
   def params(self, state: AdaptState) -> Any:
     """The full params (backbone + adapted) of a state, e.g. to save or inspect."""
     from pcsr_jax.methods.base import merge

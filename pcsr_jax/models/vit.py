@@ -129,6 +129,8 @@ class VisionTransformer(nn.Module):
 
   config: ViTConfig
   recalibration: Optional[Any] = None  # a `Recalibration` spec, e.g. pcsr.PCSRConfig
+  # Restrict the logits to these classes (ImageNet-R/-A: their 200 of the 1000 ImageNet classes).
+  class_subset: Optional[tuple[int, ...]] = None
 
   def setup(self):
     c = self.config
@@ -156,6 +158,8 @@ class VisionTransformer(nn.Module):
       feats.append(x)
     x = self.norm(x)[:, 0]
     logits = self.head(x) if self.config.num_classes > 0 else x
+    if self.class_subset is not None:
+      logits = logits[:, jnp.asarray(self.class_subset, jnp.int32)]
     return (logits, tuple(feats)) if return_features else logits
 
 

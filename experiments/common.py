@@ -1,0 +1,84 @@
+"""Shared CLI of the experiment scripts: flags -> `harness.RunConfig`, presets, the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Optional, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from pcsr_jax.errors import ArgumentParser, UserError  # noqa: E402
+
+
+def parser(prog: str, description: str, presets: dict) -> ArgumentParser:
+  p = ArgumentParser(prog=prog, description=description)
+  p.add_argument("--preset", choices=sorted(presets), help="a paper table's settings (flags given explicitly win)")
+  p.add_argument("--data", help="dataset root (ImageNet-C: <root>/<corruption>/<severity>/<wnid>/*.JPEG), or 'tfds'")
+  p.add_argument("--checkpoint", help="a converted checkpoint dir (convert_weights.py)")
+  p.add_argument("--dataset", help="imagenet_c (default), imagenet_r, imagenet_a, visda, folder")
+  p.add_argument("--methods", help="comma-separated: source,tent,sar,pcsr")
+  p.add_argument("--corruptions", help="'all' (the 15), 'heldout' (the 4), or comma-separated names")
+  p.add_argument("--severity", type=int)
+  p.add_argument("--seeds", help="comma-separated, e.g. 2022,2023,2024")
+  p.add_argument("--setting", help="normal, continual, mix_shifts, label_shifts, bs1")
+  p.add_argument("--batch-size", type=int)
+  p.add_argument("--output", help="output dir (default: runs/<name>)")
+  p.add_argument("--limit", type=int, help="at most N images per corruption (or stream segment)")
+  p.add_argument("--no-shuffle", action="store_true", help="keep file order")
+  p.add_argument("--eval-order", choices=["before", "after"], help="default: each method's own")
+  p.add_argument("--save-predictions", action="store_true")
+  p.add_argument("--resume", action="store_true", help="continue an interrupted run in --output")
+  p.add_argument("--checkpoint-every", type=int, help="save progress every N batches (default 50)")
+  p.add_argument("--workers", type=int, help="decode threads (default: all cores)")
+  p.add_argument("--imbalance-ratio", type=float, help="label_shifts: ir (default 500000)")
+  p.add_argument("--label-shift-indices", help="label_shifts: a SAR index file (.npy) instead of the generator")
+  p.add_argument("--tfds-data-dir", help="--data tfds: where the prepared TFDS datasets live")
+  p.add_argument("--image-list", help="visda: the image list file under --data")
+  p.add_argument("--method-args", help="JSON of per-method hyperparameters, e.g. '{\"pcsr\": {\"lr_dsn\": 0.05}}'")
+  p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  return p
+
+
+def config_from_args(a, presets: dict, defaults: Optional[dict] = None):
+  from pcsr_jax import harness
+  from pcsr_jax.data import imagenet
+
+  kw = dict(defaults or {})
+  if a.preset:
+    kw.update(presets[a.preset])
+  flags = dict(data=a.data, checkpoint=a.checkpoint, dataset=a.dataset, severity=a.severity, setting=a.setting,
+               batch_size=a.batch_size, output=a.output, limit=a.limit, eval_order=a.eval_order,
+               checkpoint_every=a.checkpoint_every, workers=a.workers, imbalance_ratio=a.imbalance_ratio,
+               label_shift_indices=a.label_shift_indices, tfds_data_dir=a.tfds_data_dir, image_list=a.image_list)
+  kw.update({k: v for k, v in flags.items() if v is not None})
+  if a.methods:
+    kw["methods"] = tuple(m.strip() for m in a.methods.split(",") if m.strip())
+  if a.corruptions:
+    kw["corruptions"] = {"all": imagenet.CORRUPTIONS, "heldout": imagenet.HELDOUT_CORRUPTIONS}.get(
+        a.corruptions, tuple(c.strip() for c in a.corruptions.split(",") if c.strip()))
+  if a.seeds:
+    try:
+      kw["seeds"] = tuple(int(s) for s in a.seeds.split(","))
+    except ValueError:
+      raise UserError(f"--seeds: expected comma-separated integers, got '{a.seeds}'") from None
+  if a.method_args:
+    try:
+      extra = json.loads(a.method_args)
+    except json.JSONDecodeError as e:
+      raise UserError(f"--method-args: not valid JSON ({e.msg})") from None
+    merged = dict(kw.get("method_args", {}))
+    for m, args in extra.items():
+      merged[m] = {**merged.get(m, {}), **args}
+    kw["method_args"] = merged
+  kw["shuffle"] = not a.no_shuffle
+  kw["save_predictions"] = a.save_predictions
+  kw["resume"] = a.resume
+  kw["progress"] = not a.no_progress
+  for need in ("data", "checkpoint"):
+    if not kw.get(need):
+      raise UserError(f"--{need} is required with --data (or use a preset that sets it)")
+  kw.setdefault("output", os.path.join("runs", a.preset or "imagenet_c"))
+  return harness.RunConfig(**kw)

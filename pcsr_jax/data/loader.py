@@ -1,0 +1,86 @@
+"""Parallel decoding with prefetch: a thread pool decodes and preprocesses ahead of the step.
+
+PIL's decode and resize release the GIL, so threads scale over cores without
+pickling images between processes. ``prefetch`` batches are in flight while the
+accelerator runs the current step, so the step does not wait on decoding unless
+decoding is the bottleneck. An unreadable or truncated image is skipped and
+counted (`Batch.skipped`), and the stream goes on.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import dataclasses
+import os
+import time
+from typing import Callable, Iterator, Optional, Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Batch:
+  images: np.ndarray  # [n, H, W, 3] float32, n <= batch size (skipped images removed)
+  labels: np.ndarray  # [n] int32
+  names: list[str]
+  tags: np.ndarray  # [n] int32: which segment part (corruption) each image came from
+  skipped: list[str]  # names of unreadable images in this batch
+
+
+def default_workers() -> int:
+  return max(1, min(32, (os.cpu_count() or 1)))
+
+
+class Loader:
+  """Iterates batches of ``items`` (``(source_id, index)`` pairs) in order."""
+
+  def __init__(self, sources: Sequence, preprocess: Callable, batch_size: int, workers: Optional[int] = None,
+               prefetch: int = 2):
+    self.sources, self.preprocess, self.batch_size = sources, preprocess, batch_size
+    self.workers = workers or default_workers()
+    self.prefetch = max(1, prefetch)
+    self.decoded, self.decode_seconds = 0, 0.0
+
+  def _load(self, item):
+    sid, idx = item
+    src = self.sources[sid]
+    try:
+      x = self.preprocess(src.load(int(idx)))
+    except Exception:  # unreadable / truncated file: skipped and counted by the caller
+      x = None
+    return x, int(src.labels[idx]), src.names[idx], sid
+
+  def batches(self, source_ids: np.ndarray, indices: np.ndarray, start_batch: int = 0) -> Iterator[Batch]:
+    n = len(indices)
+    starts = list(range(start_batch * self.batch_size, n, self.batch_size))
+    with cf.ThreadPoolExecutor(self.workers) as pool:
+      pending: collections.deque = collections.deque()
+
+      def submit(s):
+        items = list(zip(source_ids[s:s + self.batch_size], indices[s:s + self.batch_size]))
+        pending.append((time.perf_counter(), [pool.submit(self._load, it) for it in items]))
+
+      for s in starts[:self.prefetch]:
+        submit(s)
+      for k in range(len(starts)):
+        if k + self.prefetch < len(starts):
+          submit(starts[k + self.prefetch])
+        t0, futs = pending.popleft()
+        rows = [f.result() for f in futs]
+        self.decode_seconds += time.perf_counter() - t0
+        ok = [r for r in rows if r[0] is not None]
+        self.decoded += len(ok)
+        shape = (0,) if not ok else ok[0][0].shape
+        yield Batch(images=np.stack([r[0] for r in ok]) if ok else np.zeros((0,) + shape[1:], np.float32),
+                    labels=np.asarray([r[1] for r in ok], np.int32), names=[r[2] for r in ok],
+                    tags=np.asarray([r[3] for r in ok], np.int32), skipped=[r[2] for r in rows if r[0] is None])
+
+
+def decode_throughput(sources, preprocess, n: int = 256, workers: Optional[int] = None) -> float:
+  """Images/s of decode + preprocess with ``workers`` threads over the first ``n`` items."""
+  items = [(0, i) for i in range(min(n, len(sources[0])))]
+  loader = Loader(sources, preprocess, batch_size=64, workers=workers)
+  t0 = time.perf_counter()
+  count = sum(len(b.labels) for b in loader.batches(np.array([s for s, _ in items]), np.array([i for _, i in items])))
+  return count / max(time.perf_counter() - t0, 1e-9)

@@ -1,0 +1,165 @@
+"""Random-access image sources: class folders, image lists, and TFDS ``imagenet2012_corrupted``.
+
+A source has ``labels`` (int32, ImageNet-1k indices unless a folder holds
+non-wnid class names), ``names`` (a file name per item) and ``load(i) -> PIL
+image``. Items are in a fixed order -- class folders sorted by wnid, files
+sorted by name -- so that SAR's label-shift index files (``class*50 + k``)
+address the same images.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Optional, Sequence
+
+import numpy as np
+from PIL import Image
+
+from pcsr_jax.data import imagenet
+from pcsr_jax.errors import UserError
+
+IMAGE_EXTENSIONS = (".jpeg", ".jpg", ".png", ".bmp", ".webp", ".ppm")
+
+
+class FolderSource:
+  """``<root>/<class>/<image>``. Class folders named by ImageNet wnids get ImageNet-1k labels;
+  otherwise the sorted folder names are the classes 0..K-1."""
+
+  def __init__(self, root: str):
+    if not os.path.isdir(root):
+      raise UserError(f"{root}: data folder not found")
+    classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+    if not classes:
+      raise UserError(f"{root}: no class folders inside (expected <root>/<wnid>/*.JPEG)")
+    index = {w: i for i, w in enumerate(imagenet.wnids())}
+    self.imagenet_labels = all(c in index for c in classes)
+    self.classes = classes
+    self.num_label_classes = len(index) if self.imagenet_labels else len(classes)
+    paths, labels = [], []
+    for ci, c in enumerate(classes):
+      files = sorted(f for f in os.listdir(os.path.join(root, c)) if f.lower().endswith(IMAGE_EXTENSIONS))
+      paths += [os.path.join(root, c, f) for f in files]
+      labels += [index[c] if self.imagenet_labels else ci] * len(files)
+    if not paths:
+      raise UserError(f"{root}: no images in its class folders")
+    self.root = root
+    self.paths = paths
+    self.labels = np.asarray(labels, np.int32)
+    self.names = [os.path.relpath(p, root) for p in paths]
+
+  def __len__(self) -> int:
+    return len(self.paths)
+
+  def load(self, i: int) -> Image.Image:
+    with Image.open(self.paths[i]) as img:
+      img.load()
+      return img
+
+
+class ImageListSource:
+  """An image list (VisDA-2021's release format): lines ``relative/path.jpg <label>`` under ``root``,
+  labels being ImageNet-1k class indices."""
+
+  def __init__(self, root: str, list_file: str):
+    path = list_file if os.path.isabs(list_file) else os.path.join(root, list_file)
+    if not os.path.isfile(path):
+      raise UserError(f"{path}: image list not found")
+    paths, labels = [], []
+    with open(path) as f:
+      for n, line in enumerate(f, 1):
+        parts = line.split()
+        if not parts:
+          continue
+        if len(parts) != 2 or not parts[1].lstrip("-").isdigit():
+          raise UserError(f"{path}:{n}: expected '<relative/path> <label>', got '{line.strip()}'")
+        paths.append(os.path.join(root, parts[0]))
+        labels.append(int(parts[1]))
+    if not paths:
+      raise UserError(f"{path}: empty image list")
+    self.paths, self.labels = paths, np.asarray(labels, np.int32)
+    self.names = [os.path.relpath(p, root) for p in paths]
+    self.num_label_classes = 1000
+    self.imagenet_labels = True
+
+  def __len__(self) -> int:
+    return len(self.paths)
+
+  load = FolderSource.load
+
+
+class TFDSSource:
+  """TFDS ``imagenet2012_corrupted/<corruption>_<severity>`` (validation split) via
+  ``tfds.data_source``: array_record random access, no TensorFlow. Images come as encoded
+  bytes (``SkipDecoding``) and are decoded by the loader's workers with PIL."""
+
+  def __init__(self, corruption: str, severity: int, data_dir: Optional[str] = None,
+               name: str = "imagenet2012_corrupted"):
+    import tensorflow_datasets as tfds
+
+    config = f"{name}/{corruption}_{severity}"
+    self.ds = None
+    for decoders in ({"image": tfds.decode.SkipDecoding()}, None):  # encoded bytes if possible (cheap)
+      try:
+        ds = tfds.data_source(config, split="validation", data_dir=data_dir, decoders=decoders)
+        if len(ds):
+          ds[0]  # SkipDecoding can fail at access time (e.g. under tfds.testing.mock_data without TF)
+        self.ds = ds
+        break
+      except Exception as e:  # DatasetNotFoundError and friends: one line, not a traceback
+        error = e
+    if self.ds is None:
+      raise UserError(f"tfds {config}: not prepared in {data_dir or 'the default TFDS dir'} "
+                      f"({type(error).__name__})") from None
+    n = len(self.ds)
+    if n == 0:
+      raise UserError(f"tfds {config}: empty validation split")
+    records = [self.ds[i] for i in range(n)]  # bytes only: cheap
+    self.labels = np.asarray([int(r["label"]) for r in records], np.int32)
+    self.names = [r["file_name"].decode() if isinstance(r["file_name"], bytes) else str(r["file_name"])
+                  for r in records]
+    # Sorted by (label, file name), the order of Hendrycks' folders, so SAR's index files apply.
+    order = np.lexsort((np.asarray(self.names), self.labels))
+    self.order = order
+    self.labels, self.names = self.labels[order], [self.names[i] for i in order]
+    self.num_label_classes = 1000
+    self.imagenet_labels = True
+
+  def __len__(self) -> int:
+    return len(self.labels)
+
+  def load(self, i: int) -> Image.Image:
+    img = self.ds[int(self.order[i])]["image"]
+    if isinstance(img, (bytes, np.bytes_)):
+      with Image.open(io.BytesIO(bytes(img))) as im:
+        im.load()
+        return im
+    return Image.fromarray(np.asarray(img))
+
+
+def imagenet_c_source(root: str, corruption: str, severity: int) -> FolderSource:
+  """Hendrycks' ImageNet-C layout: ``<root>/<corruption>/<severity>/<wnid>/*.JPEG``."""
+  if not os.path.isdir(root):
+    raise UserError(f"{root}: data dir not found")
+  if not os.listdir(root):
+    raise UserError(f"{root}: data dir is empty")
+  if not os.path.isdir(os.path.join(root, corruption)):
+    raise UserError(f"{root}: corruption folder '{corruption}' not found")
+  sev = os.path.join(root, corruption, str(severity))
+  if not os.path.isdir(sev):
+    raise UserError(f"{os.path.join(root, corruption)}: severity folder '{severity}' not found")
+  return FolderSource(sev)
+
+
+def check_classes(source, num_classes: int, class_subset: Optional[Sequence[int]], where: str) -> None:
+  """The labels must live in the checkpoint's head (or its class subset)."""
+  if class_subset is not None:
+    allowed = set(int(c) for c in class_subset)
+    bad = sorted(set(np.unique(source.labels).tolist()) - allowed)
+    if bad:
+      raise UserError(f"{where}: {len(bad)} classes outside the {len(allowed)}-class subset (e.g. label {bad[0]})")
+    return
+  if source.num_label_classes != num_classes:
+    kind = "ImageNet wnid folders (1000 classes)" if source.imagenet_labels else \
+        f"{source.num_label_classes} class folders"
+    raise UserError(f"{where}: data has {kind} but the checkpoint's head has {num_classes} classes")

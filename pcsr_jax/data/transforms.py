@@ -1,0 +1,60 @@
+"""Preprocessing from a checkpoint's metadata, in PIL + numpy (no torch, no TensorFlow).
+
+timm's eval transform: resize the shorter side to ``floor(img_size / crop_pct)``
+with the checkpoint's interpolation, center crop ``img_size``, scale to [0, 1],
+normalize with the checkpoint's mean and std. The papers' ImageNet-C protocol
+feeds Hendrycks' 224 px images through a plain center crop
+(`imagenet_c_preprocess`: no resize unless an image is smaller than the model).
+Output: float32 HWC.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import numpy as np
+from PIL import Image
+
+_INTERP = {"bicubic": Image.BICUBIC, "bilinear": Image.BILINEAR, "nearest": Image.NEAREST,
+           "lanczos": Image.LANCZOS}
+
+
+@dataclasses.dataclass(frozen=True)
+class Preprocess:
+  img_size: int
+  mean: tuple[float, ...]
+  std: tuple[float, ...]
+  interpolation: str = "bicubic"
+  crop_pct: float = 1.0
+  crop_only: bool = False  # ImageNet-C: center crop without resizing (unless the image is too small)
+
+  @staticmethod
+  def from_meta(meta: Mapping[str, Any], crop_pct: float | None = None) -> "Preprocess":
+    return Preprocess(int(meta["img_size"]), tuple(meta["mean"]), tuple(meta["std"]),
+                      meta.get("interpolation", "bicubic"),
+                      float(meta.get("crop_pct", 1.0) if crop_pct is None else crop_pct))
+
+  @property
+  def resize_to(self) -> int:
+    return int(math.floor(self.img_size / self.crop_pct))
+
+  def __call__(self, img: Image.Image) -> np.ndarray:
+    img = img.convert("RGB")
+    w, h = img.size
+    s = self.img_size if self.crop_only else self.resize_to
+    if min(w, h) != s and not (self.crop_only and min(w, h) > s):
+      # Shorter side to s, aspect kept (torchvision Resize(int)): the long side is truncated.
+      nw, nh = (s, int(s * h / w)) if w <= h else (int(s * w / h), s)
+      img = img.resize((nw, nh), _INTERP[self.interpolation])
+      w, h = nw, nh
+    left, top = int(round((w - self.img_size) / 2.0)), int(round((h - self.img_size) / 2.0))
+    img = img.crop((left, top, left + self.img_size, top + self.img_size))
+    x = np.asarray(img, np.float32) / 255.0
+    return (x - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
+
+
+def imagenet_c_preprocess(meta: Mapping[str, Any]) -> Preprocess:
+  """ImageNet-C: center crop to the model's size, then the checkpoint's normalization."""
+  return dataclasses.replace(Preprocess.from_meta(meta, crop_pct=1.0), crop_only=True)

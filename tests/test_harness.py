@@ -1,0 +1,189 @@
+"""The harness end to end on generated ImageNet-C folders with a tiny 1000-class checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from PIL import Image
+
+import harness_fixtures as hf
+from pcsr_jax import checkpoint, harness, results
+from pcsr_jax.data import sources, streams, transforms
+from pcsr_jax.errors import UserError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CORR = ("gaussian_noise", "fog")
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+  root = tmp_path_factory.mktemp("world")
+  hf.make_imagenet_c(str(root / "data"), corruptions=CORR, classes=4, per_class=5)
+  hf.make_checkpoint(str(root / "ckpt"))
+  return root
+
+
+def cfg(world, out, **kw):
+  base = dict(data=str(world / "data"), checkpoint=str(world / "ckpt"), output=str(out), corruptions=CORR,
+              seeds=(1,), batch_size=8, progress=False)
+  base.update(kw)
+  return harness.RunConfig(**base)
+
+
+def test_all_methods_normal_setting_outputs(world, tmp_path):
+  res = harness.run(cfg(world, tmp_path, methods=("source", "tent", "sar", "pcsr"), save_predictions=True),
+                    log=lambda *a: None)
+  assert len(res["records"]) == 8 and {r["num_samples"] for r in res["records"]} == {20}
+  for f in ("results.json", "results.csv", "table.md", "accuracy_per_corruption.png", "running_accuracy.png"):
+    assert os.path.getsize(tmp_path / f) > 0, f
+  data = json.loads((tmp_path / "results.json").read_text())
+  assert data["complete"] and data["config"]["setting"] == "normal" and "jax" in data["versions"]
+  assert {r["eval_order"] for r in data["records"] if r["method"] == "pcsr"} == {"after"}
+  assert not (tmp_path / "resume").exists()
+  # Source accuracy equals a direct forward of the checkpoint on the preprocessed images.
+  model, params, meta = checkpoint.load(str(world / "ckpt"))
+  pre = transforms.imagenet_c_preprocess(meta)
+  for c in CORR:
+    src = sources.imagenet_c_source(str(world / "data"), c, 5)
+    x = np.stack([pre(src.load(i)) for i in range(len(src))])
+    acc = float(np.mean(np.asarray(jax.jit(model.apply)({"params": params}, x)).argmax(-1) == src.labels))
+    rec = next(r for r in res["records"] if r["method"] == "source" and r["corruption"] == c)
+    assert rec["accuracy"] == pytest.approx(acc)
+    pred = np.load(tmp_path / "predictions" / f"source_{c}_5_seed1.npz")
+    assert sorted(pred["file_names"].tolist()) == sorted(src.names) and len(pred["labels"]) == 20
+
+
+@pytest.mark.parametrize("setting", streams.SETTINGS)
+def test_every_setting_runs(world, tmp_path, setting):
+  res = harness.run(cfg(world, tmp_path, methods=("tent",), setting=setting, limit=40), log=lambda *a: None)
+  recs = res["records"]
+  assert [r["corruption"] for r in recs] == list(CORR) and all(r["setting"] == setting for r in recs)
+  expected = 40 if setting == "label_shifts" else 20  # label shifts draw 4 classes x 100 (limited to 40)
+  assert all(r["num_samples"] == expected for r in recs), recs
+
+
+def test_unreadable_image_is_skipped_and_counted(world, tmp_path):
+  import shutil
+
+  data = tmp_path / "data"
+  shutil.copytree(world / "data", data)
+  victim = next((data / "fog" / "5").rglob("*.JPEG"))
+  victim.write_bytes(victim.read_bytes()[:40])  # truncated JPEG
+  res = harness.run(cfg(world, tmp_path / "out", data=str(data), methods=("source",)), log=lambda *a: None)
+  fog = next(r for r in res["records"] if r["corruption"] == "fog")
+  assert fog["num_samples"] == 19 and fog["num_skipped"] == 1 and len(res["skipped"]) == 1
+  assert json.loads((tmp_path / "out" / "results.json").read_text())["skipped"][0].startswith("fog/")
+
+
+def test_table_and_csv_writers(tmp_path):
+  recs = [dict(method=m, setting="normal", corruption=c, severity=5, seed=s, eval_order="before",
+               accuracy=acc, num_samples=10, num_skipped=0, seconds=1.0)
+          for m, base in (("source", 0.5), ("pcsr", 0.7)) for s, d in ((1, 0.0), (2, 0.02))
+          for c, acc in (("gaussian_noise", base + d), ("fog", base + 2 * d))]
+  tbl = results.table(recs, ["gaussian_noise", "fog"], ["source", "pcsr"])
+  lines = tbl.strip().splitlines()
+  assert lines[0] == "| Method | gaus | fg | Avg. |"
+  assert lines[2] == "| source | 51.0 ± 1.0 | 52.0 ± 2.0 | 51.5 ± 1.5 |"
+  assert lines[3].startswith("| pcsr | 71.0 ± 1.0 |")
+  results.write_csv(str(tmp_path / "r.csv"), recs)
+  import csv
+
+  rows = list(csv.DictReader(open(tmp_path / "r.csv")))
+  assert len(rows) == 8 and rows[0]["method"] == "source" and float(rows[0]["accuracy"]) == 0.5
+
+
+def cli(*args, timeout=600):
+  return subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "imagenet_c.py"), *args],
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def test_bad_input_matrix(world, tmp_path):
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  bad_ckpt = tmp_path / "notackpt"
+  bad_ckpt.mkdir()
+  ckpt10 = hf.make_checkpoint(str(tmp_path / "ckpt10"), hf.CKPT_CFG.__class__(**{**hf.CKPT_CFG.to_dict(),
+                                                                                 "num_classes": 10}))
+  d, c = str(world / "data"), str(world / "ckpt")
+  cases = {
+      "data dir not found": ["--data", str(tmp_path / "missing"), "--checkpoint", c],
+      "data dir is empty": ["--data", str(empty), "--checkpoint", c],
+      "corruption folder 'snow' not found": ["--data", d, "--checkpoint", c, "--corruptions", "snow"],
+      "severity folder '3' not found": ["--data", d, "--checkpoint", c, "--corruptions", "fog", "--severity", "3"],
+      "not a pcsr-jax checkpoint": ["--data", d, "--checkpoint", str(bad_ckpt), "--corruptions", "fog"],
+      "the checkpoint's head has 10 classes": ["--data", d, "--checkpoint", ckpt10, "--corruptions", "fog"],
+      "unknown method 'eata'": ["--data", d, "--checkpoint", c, "--methods", "tent,eata"],
+      "unknown setting 'wild'": ["--data", d, "--checkpoint", c, "--setting", "wild"],
+  }
+  for expected, args in cases.items():
+    out = tmp_path / f"out_{abs(hash(expected))}"
+    if expected in ("unknown method 'eata'", "data dir not found"):  # two through the real CLI process
+      r = cli(*args, "--output", str(out))
+      assert r.returncode == 2, (expected, r.stderr)
+      assert expected in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    else:
+      from experiments_imagenet_c import main
+
+      with pytest.raises(UserError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        main([*args, "--output", str(out), "--no-progress"])
+    assert not (out / "results.json").exists()
+
+
+def test_sigkill_and_resume_is_bit_identical(world, tmp_path):
+  args = ["--data", str(world / "data"), "--checkpoint", str(world / "ckpt"), "--corruptions", ",".join(CORR),
+          "--methods", "tent,pcsr", "--seeds", "1", "--batch-size", "4", "--checkpoint-every", "1",
+          "--save-predictions", "--no-progress"]
+  full = cli(*args, "--output", str(tmp_path / "full"))
+  assert full.returncode == 0, full.stderr
+  out = tmp_path / "killed"
+  p = subprocess.Popen([sys.executable, os.path.join(ROOT, "experiments", "imagenet_c.py"), *args, "--output",
+                        str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  prog = out / "resume" / "progress.json"
+  deadline = time.time() + 300
+  while time.time() < deadline:  # kill in the middle of the second method's stream
+    try:
+      state = json.loads(prog.read_text())
+      if state.get("unit") and state["unit"]["key"].startswith("pcsr") and state["unit"]["batch"] >= 2:
+        break
+    except (OSError, ValueError):
+      pass
+    time.sleep(0.05)
+  else:
+    pytest.fail("the run never reached the kill point")
+  p.send_signal(signal.SIGKILL)
+  p.wait()
+  assert not (out / "results.json").exists()
+  resumed = cli(*args, "--output", str(out), "--resume")
+  assert resumed.returncode == 0, resumed.stderr
+  assert "resuming from" in resumed.stdout
+  a = json.loads((tmp_path / "full" / "results.json").read_text())["records"]
+  b = json.loads((out / "results.json").read_text())["records"]
+  key = lambda r: (r["method"], r["corruption"], r["seed"])
+  assert sorted((key(r), r["accuracy"], r["num_samples"]) for r in a) == \
+      sorted((key(r), r["accuracy"], r["num_samples"]) for r in b)
+  for f in os.listdir(tmp_path / "full" / "predictions"):
+    x, y = np.load(tmp_path / "full" / "predictions" / f), np.load(out / "predictions" / f)
+    for k in ("file_names", "labels", "predictions"):
+      np.testing.assert_array_equal(x[k], y[k], err_msg=f"{f}:{k}")
+
+
+def test_tfds_path_with_mock_data(world, tmp_path):
+  import tensorflow_datasets as tfds
+
+  with tfds.testing.mock_data(num_examples=6):
+    src = sources.TFDSSource("fog", 5)
+    assert len(src) == 6 and src.load(0).size == (224, 224)
+    assert list(src.labels) == sorted(src.labels)  # (label, file name) order, as Hendrycks' folders
+    meta = dict(img_size=32, mean=(0.5,) * 3, std=(0.5,) * 3, interpolation="bicubic", crop_pct=0.9)
+    assert transforms.imagenet_c_preprocess(meta)(src.load(0)).shape == (32, 32, 3)
+    res = harness.run(cfg(world, tmp_path, data="tfds", corruptions=("fog",), methods=("source",)),
+                      log=lambda *a: None)
+  assert res["records"][0]["num_samples"] == 6 and res["records"][0]["corruption"] == "fog"
