@@ -82,3 +82,29 @@ def config_from_args(a, presets: dict, defaults: Optional[dict] = None):
       raise UserError(f"--{need} is required with --data (or use a preset that sets it)")
   kw.setdefault("output", os.path.join("runs", a.preset or "imagenet_c"))
   return harness.RunConfig(**kw)
+
+
+def run_many(base, runs: dict, title: str, column: str = "Avg.") -> str:
+  """Runs ``{row_name: RunConfig overrides}`` into ``<output>/<row_name>`` and prints one summary table:
+  the mean accuracy over corruptions (± std over seeds) of each row and method."""
+  import dataclasses
+
+  import numpy as np
+
+  from pcsr_jax import harness
+
+  lines = [f"| {title} | method | {column} |", "|---|---|---|"]
+  for name, over in runs.items():
+    cfg = dataclasses.replace(base, output=os.path.join(base.output, name), **over)
+    res = harness.run(cfg)
+    for m in cfg.methods:
+      per_seed = [np.mean([r["accuracy"] for r in res["records"] if r["method"] == m and r["seed"] == s])
+                  for s in cfg.seeds]
+      cell = f"{100 * np.mean(per_seed):.1f}" + (f" ± {100 * np.std(per_seed):.1f}" if len(per_seed) > 1 else "")
+      lines.append(f"| {name} | {m} | {cell} |")
+  table = "\n".join(lines) + "\n"
+  os.makedirs(base.output, exist_ok=True)
+  with open(os.path.join(base.output, "summary.md"), "w") as f:
+    f.write(table)
+  print(table)
+  return table

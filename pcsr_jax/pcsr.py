@@ -87,6 +87,9 @@ class PCSRConfig:
 
   @staticmethod
   def from_dict(d: dict[str, Any]) -> "PCSRConfig":
+    unknown = sorted(set(d) - {f.name for f in dataclasses.fields(PCSRConfig)})
+    if unknown:
+      raise UserError(f"pcsr config: unknown fields {unknown}")
     return PCSRConfig(**d)
 
 

@@ -187,3 +187,35 @@ def test_tfds_path_with_mock_data(world, tmp_path):
     res = harness.run(cfg(world, tmp_path, data="tfds", corruptions=("fog",), methods=("source",)),
                       log=lambda *a: None)
   assert res["records"][0]["num_samples"] == 6 and res["records"][0]["corruption"] == "fog"
+
+
+def load_script(name):
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location(f"exp_{name}", os.path.join(ROOT, "experiments", f"{name}.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def test_preset_scripts_run(world, tmp_path, capsys):
+  common = ["--checkpoint", str(world / "ckpt"), "--seeds", "1", "--batch-size", "8", "--no-progress", "--limit", "8"]
+  d = ["--data", str(world / "data"), "--corruptions", "fog"]
+  load_script("wild").main([*d, *common, "--methods", "tent", "--output", str(tmp_path / "wild")])
+  assert "| label_shifts | tent |" in (tmp_path / "wild" / "summary.md").read_text()
+  assert "| mix_shifts | tent |" in (tmp_path / "wild" / "summary.md").read_text()
+  load_script("ablations").main([*d, *common, "--table", "qkv", "--output", str(tmp_path / "abl")])
+  summary = (tmp_path / "abl" / "summary.md").read_text()
+  assert "| qkv=independent | pcsr |" in summary and "| qkv=shared | pcsr |" in summary
+  from pcsr_jax.data import imagenet
+
+  r_root = tmp_path / "imagenet-r"
+  for w in imagenet.wnids("imagenet_r")[:3]:
+    os.makedirs(r_root / w)
+    for k in range(3):
+      Image.fromarray(np.random.default_rng(k).integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(
+          r_root / w / f"{k}.jpg")
+  load_script("imagenet_rav").main(["--imagenet-r", str(r_root), *common, "--methods", "source",
+                                    "--output", str(tmp_path / "rav")])
+  rec = json.loads((tmp_path / "rav" / "imagenet_r" / "results.json").read_text())["records"][0]
+  assert rec["corruption"] == "imagenet_r" and rec["num_samples"] == 8

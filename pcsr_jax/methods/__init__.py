@@ -20,7 +20,13 @@ def get(name: str, **hyperparameters) -> Method:
   """The method called ``name`` (source, tent, sar, pcsr) with the given hyperparameters."""
   if name not in REGISTRY:
     raise UserError(f"unknown method '{name}': expected one of {', '.join(REGISTRY)}")
-  return REGISTRY[name](**hyperparameters)
+  import dataclasses
+
+  cls = REGISTRY[name]
+  unknown = sorted(set(hyperparameters) - {f.name for f in dataclasses.fields(cls)})
+  if unknown:
+    raise UserError(f"{name}: unknown hyperparameters {unknown}")
+  return cls(**hyperparameters)
 
 
 __all__ = ["AdaptState", "Method", "PCSR", "Prepared", "REGISTRY", "SAR", "Source", "Tent", "get"]

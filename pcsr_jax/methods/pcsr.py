@@ -44,6 +44,10 @@ class PCSR(Method):
   reset: bool = False  # SAR-style recovery when the EMA of the reliable entropy drops below 0.2
   reset_constant: float = 0.2
 
+  def __post_init__(self):
+    if isinstance(self.config, dict):  # from JSON (--method-args)
+      object.__setattr__(self, "config", pcsr.PCSRConfig.from_dict(self.config))
+
   @staticmethod
   def preset(arch: str, **overrides) -> "PCSR":
     """The paper's learning rates: ViT-B/16 0.2 / 0.0005; ViT-L/16 0.05 / 0.0001 (DSN / FGN)."""
