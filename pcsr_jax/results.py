@@ -66,7 +66,16 @@ def plot(out_dir: str, records: Sequence[dict], curves: dict[str, Any], corrupti
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  paths = []
+  def save(fig, ax, ylabel: str, fontsize: int, name: str) -> str:
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(0, 100)
+    ax.legend(fontsize=fontsize)
+    fig.tight_layout()
+    path = os.path.join(out_dir, name)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
   fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(corruptions) * max(1, len(methods)) / 2), 4))
   width = 0.8 / max(1, len(methods))
   x = np.arange(len(corruptions))
@@ -76,22 +85,12 @@ def plot(out_dir: str, records: Sequence[dict], curves: dict[str, Any], corrupti
     ax.bar(x + i * width, acc, width, label=m)
   ax.set_xticks(x + width * (len(methods) - 1) / 2)
   ax.set_xticklabels([SHORT_NAMES.get(c, c) for c in corruptions], rotation=45, ha="right")
-  ax.set_ylabel("accuracy (%)")
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  paths.append(os.path.join(out_dir, "accuracy_per_corruption.png"))
-  fig.savefig(paths[-1], dpi=120)
-  plt.close(fig)
+  paths = [save(fig, ax, "accuracy (%)", 8, "accuracy_per_corruption.png")]
 
   fig, ax = plt.subplots(figsize=(7, 4))
   for key, c in curves.items():
     if c["seen"]:
       ax.plot(c["seen"], 100 * np.asarray(c["accuracy"]), label=key)
   ax.set_xlabel("images seen")
-  ax.set_ylabel("running accuracy (%)")
-  ax.legend(fontsize=7)
-  fig.tight_layout()
-  paths.append(os.path.join(out_dir, "running_accuracy.png"))
-  fig.savefig(paths[-1], dpi=120)
-  plt.close(fig)
+  paths.append(save(fig, ax, "running accuracy (%)", 7, "running_accuracy.png"))
   return paths
