@@ -12,6 +12,7 @@ peak memory: device peak on a GPU, the process's peak RSS on the CPU.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
@@ -108,14 +109,8 @@ def parser() -> ArgumentParser:
   p.add_argument("--warmup", type=int, default=2)
   p.add_argument("--frameworks", default="jax,torch", help="comma-separated: jax, torch")
   p.add_argument("--json", help="also write the results to this JSON file")
-  p.add_argument("--worker", choices=["jax", "torch"], help=argparse_hidden())
+  p.add_argument("--worker", choices=["jax", "torch"], help=argparse.SUPPRESS)  # internal: one framework
   return p
-
-
-def argparse_hidden():
-  import argparse
-
-  return argparse.SUPPRESS
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -18,8 +19,6 @@ def convert_checkpoint(src: str, out: str, arch: str | None = None, num_classes:
   precedence over timm's pretrained config, which takes precedence over the
   augreg defaults.
   """
-  import os
-
   if os.path.exists(out) and not force:  # fail before the (possibly slow) read
     raise UserError(f"{os.path.abspath(out)}: output dir exists (pass --force to overwrite)")
   if verify:

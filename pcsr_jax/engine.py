@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import AdaptState, Method, split
+from pcsr_jax.methods.base import AdaptState, Method, merge, split
 
 EVAL_ORDERS = ("before", "after")
 
@@ -121,6 +121,4 @@ class Adapter:
 
   def params(self, state: AdaptState) -> Any:
     """The full params (backbone + adapted) of a state, e.g. to save or inspect."""
-    from pcsr_jax.methods.base import merge
-
     return merge(self.frozen, state.trainable)

@@ -177,6 +177,7 @@ def run(cfg: RunConfig, log=print) -> dict:
   subset = imagenet.class_subset(cfg.dataset) if cfg.dataset in ("imagenet_r", "imagenet_a") else None
   for name, src in domains:
     sources.check_classes(src, meta["num_classes"], subset, f"{cfg.data}/{name}" if cfg.data != "tfds" else name)
+  relabel = None  # ImageNet-R/-A: labels become positions in the 200-class subset of the logits
   if subset is not None:
     model = model.clone(class_subset=tuple(int(c) for c in subset))
     relabel = np.full(meta["num_classes"], -1, np.int64)
@@ -223,7 +224,7 @@ def run(cfg: RunConfig, log=print) -> dict:
         adapter = engine.Adapter(method, model, params, batch_size=cfg.batch_size, eval_order=cfg.eval_order,
                                  seed=seed)
         completed = _run_unit(cfg, key, method_name, seed, adapter, segments, names, loader, progress, resume,
-                              stop, relabel if subset is not None else None, log)
+                              stop, relabel, log)
         if not completed:
           log(f"interrupted: progress saved to {resume.path}; rerun with --resume to continue")
           raise SystemExit(130)

@@ -130,6 +130,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_four_cpu_devices_equal_one_device():
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
   r = subprocess.run([sys.executable, "-c", MULTI_DEVICE_SCRIPT, os.path.join(ROOT, "tests"),

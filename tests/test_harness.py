@@ -137,6 +137,7 @@ def test_bad_input_matrix(world, tmp_path):
     assert not (out / "results.json").exists()
 
 
+@pytest.mark.slow
 def test_sigkill_and_resume_is_bit_identical(world, tmp_path):
   args = ["--data", str(world / "data"), "--checkpoint", str(world / "ckpt"), "--corruptions", ",".join(CORR),
           "--methods", "tent,pcsr", "--seeds", "1", "--batch-size", "4", "--checkpoint-every", "1",
@@ -198,6 +199,7 @@ def load_script(name):
   return mod
 
 
+@pytest.mark.slow
 def test_preset_scripts_run(world, tmp_path, capsys):
   common = ["--checkpoint", str(world / "ckpt"), "--seeds", "1", "--batch-size", "8", "--no-progress", "--limit", "8"]
   d = ["--data", str(world / "data"), "--corruptions", "fog"]
