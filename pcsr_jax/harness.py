@@ -199,6 +199,9 @@ def run(cfg: RunConfig, log=print) -> dict:
                     f"use another --output")
   if progress is None:
     resume.clear()
+    for name in ("results.json", "results.csv", "table.md"):  # never leave a stale "complete" result behind
+      if os.path.exists(os.path.join(cfg.output, name)):
+        os.remove(os.path.join(cfg.output, name))
     progress = dict(config_key=_config_key(config_json), records=[], curves={}, skipped=[], done=[],
                     unit=None, throughput={})
   elif progress["unit"] or progress["done"]:
