@@ -187,3 +187,10 @@ def test_unknown_method():
 
   with pytest.raises(UserError, match="unknown method 'eata'"):
     methods.get("eata")
+
+
+def test_pcsr_optional_reset_shares_sars_recovery():
+  ad, state, _, out = run(methods.get("pcsr", reset=True, reset_constant=100.0), n=2)
+  assert all(bool(m["reset"]) for _, _, m in out) and int(state.resets) == 2
+  for a, b in zip(jax.tree.leaves(state.trainable), jax.tree.leaves(ad.init_state().trainable)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

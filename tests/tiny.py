@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 
@@ -10,13 +12,21 @@ from pcsr_jax.models import ViTConfig, create, init_params
 TINY = ViTConfig(embed_dim=24, depth=2, num_heads=2, patch_size=8, img_size=32, num_classes=10, mlp_ratio=2.0)
 
 
-def tiny_model(cfg: ViTConfig = TINY, seed: int = 0, head_scale: float = 3.0):
-  """A random tiny ViT whose head is scaled up so that some predictions are confident (entropy < E0)."""
+@functools.lru_cache(maxsize=None)
+def _tiny_model(cfg: ViTConfig, seed: int, head_scale: float):
   model = create(cfg)
-  params = init_params(model, jax.random.key(seed))
-  params = jax.tree.map(np.asarray, params)
+  params = jax.tree.map(np.asarray, init_params(model, jax.random.key(seed)))
   params["head"]["kernel"] = params["head"]["kernel"] * head_scale
   return model, params
+
+
+def tiny_model(cfg: ViTConfig = TINY, seed: int = 0, head_scale: float = 3.0):
+  """A random tiny ViT whose head is scaled up so that some predictions are confident (entropy < E0).
+
+  Initialized once per arguments (the init is a compile); each call gets its own copy of the params.
+  """
+  model, params = _tiny_model(cfg, seed, head_scale)
+  return model, jax.tree.map(np.array, params)
 
 
 def batches(n: int, batch_size: int, cfg: ViTConfig = TINY, seed: int = 0, last: int | None = None):

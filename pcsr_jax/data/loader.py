@@ -40,7 +40,6 @@ class Loader:
     self.sources, self.preprocess, self.batch_size = sources, preprocess, batch_size
     self.workers = workers or default_workers()
     self.prefetch = max(1, prefetch)
-    self.decoded, self.decode_seconds = 0, 0.0
 
   def _load(self, item):
     sid, idx = item
@@ -59,18 +58,15 @@ class Loader:
 
       def submit(s):
         items = list(zip(source_ids[s:s + self.batch_size], indices[s:s + self.batch_size]))
-        pending.append((time.perf_counter(), [pool.submit(self._load, it) for it in items]))
+        pending.append([pool.submit(self._load, it) for it in items])
 
       for s in starts[:self.prefetch]:
         submit(s)
       for k in range(len(starts)):
         if k + self.prefetch < len(starts):
           submit(starts[k + self.prefetch])
-        t0, futs = pending.popleft()
-        rows = [f.result() for f in futs]
-        self.decode_seconds += time.perf_counter() - t0
+        rows = [f.result() for f in pending.popleft()]
         ok = [r for r in rows if r[0] is not None]
-        self.decoded += len(ok)
         shape = (0,) if not ok else ok[0][0].shape
         yield Batch(images=np.stack([r[0] for r in ok]) if ok else np.zeros((0,) + shape[1:], np.float32),
                     labels=np.asarray([r[1] for r in ok], np.int32), names=[r[2] for r in ok],

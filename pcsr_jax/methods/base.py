@@ -96,6 +96,27 @@ def tree_where(cond: Array, a: Any, b: Any) -> Any:
   return jax.tree.map(lambda x, y: jnp.where(cond, x, y), a, b)
 
 
+def recover(old: AdaptState, new: AdaptState, loss: Array, has_loss: Array, decay: float = 0.9,
+            threshold: float = 0.2, clear_ema: bool = False) -> tuple[AdaptState, Array]:
+  """SAR's model recovery on the state after an update; returns ``(state, reset)``.
+
+  ``ema = decay * ema + (1 - decay) * loss`` (the first loss initializes it; a
+  batch without a loss, ``has_loss`` False, leaves it alone). If ``ema <
+  threshold`` the trainable params and optimizer state go back to
+  ``old.source``. ``clear_ema`` forgets the EMA on a reset.
+  """
+  ema = jnp.where(old.ema_valid, decay * old.ema + (1 - decay) * loss, loss)
+  ema = jnp.where(has_loss, ema, old.ema)
+  ema_valid = old.ema_valid | has_loss
+  reset = ema_valid & (ema < threshold)
+  if clear_ema:
+    ema_valid = ema_valid & ~reset
+  state = new.replace(trainable=tree_where(reset, old.source[0], new.trainable),
+                      opt_state=tree_where(reset, old.source[1], new.opt_state), ema=ema, ema_valid=ema_valid,
+                      resets=old.resets + reset.astype(jnp.int32))
+  return state, reset
+
+
 @dataclasses.dataclass(frozen=True)
 class Method(abc.ABC):
   """Base class of online TTA methods. Subclasses are frozen dataclasses of hyperparameters."""

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import optax
 
 from pcsr_jax import losses, pcsr
-from pcsr_jax.methods.base import Method, Prepared, is_layernorm_param, sgd, tree_where
+from pcsr_jax.methods.base import Method, Prepared, is_layernorm_param, recover, sgd
 from pcsr_jax.methods.tent import sar_code_lr
 from pcsr_jax.models.vit import init_params
 
@@ -89,12 +89,5 @@ class PCSR(Method):
     new = self.apply_gradients(prep, state, grads).replace(step=state.step + 1)
     metrics = {"loss": loss, "entropy_loss": l_ent, "similarity_loss": l_sim, "num_reliable": n_rel}
     if self.reset:
-      has = n_rel > 0
-      ema = jnp.where(has, jnp.where(state.ema_valid, 0.9 * state.ema + 0.1 * l_ent, l_ent), state.ema)
-      ema_valid = state.ema_valid | has
-      reset = ema_valid & (ema < self.reset_constant)
-      new = new.replace(trainable=tree_where(reset, state.source[0], new.trainable),
-                        opt_state=tree_where(reset, state.source[1], new.opt_state), ema=ema,
-                        ema_valid=ema_valid, resets=state.resets + reset.astype(jnp.int32))
-      metrics["reset"] = reset
+      new, metrics["reset"] = recover(state, new, l_ent, n_rel > 0, threshold=self.reset_constant)
     return new, logits, metrics

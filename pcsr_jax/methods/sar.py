@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from pcsr_jax import losses
-from pcsr_jax.methods.base import Method, Prepared, is_layernorm_param, sgd, tree_where
+from pcsr_jax.methods.base import Method, Prepared, is_layernorm_param, recover, sgd
 from pcsr_jax.methods.tent import sar_code_lr
 
 
@@ -77,17 +77,9 @@ class SAR(Method):
     (loss2, mask2), g2 = jax.value_and_grad(second, has_aux=True)(perturbed)
     new = self.apply_gradients(prep, state, g2)  # SGD step at the original (unperturbed) params
 
-    has_loss2 = jnp.any(mask2)  # PyTorch: loss_second is NaN iff the second mask is empty
-    ema = jnp.where(state.ema_valid, self.ema_decay * state.ema + (1 - self.ema_decay) * loss2, loss2)
-    ema = jnp.where(has_loss2, ema, state.ema)
-    ema_valid = state.ema_valid | has_loss2
-    reset = ema_valid & (ema < self.reset_constant)
-    trainable = tree_where(reset, state.source[0], new.trainable)
-    opt_state = tree_where(reset, state.source[1], new.opt_state)
-    if self.clear_ema_on_reset:
-      ema_valid = ema_valid & ~reset
-    state = new.replace(trainable=trainable, opt_state=opt_state, ema=ema, ema_valid=ema_valid,
-                        resets=state.resets + reset.astype(jnp.int32), step=state.step + 1)
+    # PyTorch: loss_second is NaN (and the EMA not updated) iff the second mask is empty.
+    state, reset = recover(state, new.replace(step=state.step + 1), loss2, jnp.any(mask2), self.ema_decay,
+                           self.reset_constant, self.clear_ema_on_reset)
     metrics = {"loss": loss1, "loss2": loss2, "num_reliable": jnp.sum(mask1), "num_reliable2": jnp.sum(mask2),
-               "ema": ema, "reset": reset}
+               "ema": state.ema, "reset": reset}
     return state, logits, metrics
