@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Optional, Sequence
+from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -28,7 +28,8 @@ def parser(prog: str, description: str, presets: dict) -> ArgumentParser:
   p.add_argument("--output", help="output dir (default: runs/<name>)")
   p.add_argument("--limit", type=int, help="at most N images per corruption (or stream segment)")
   p.add_argument("--no-shuffle", action="store_true", help="keep file order")
-  p.add_argument("--eval-order", choices=["before", "after"], help="default: each method's own")
+  p.add_argument("--eval-order", choices=["before", "after", "both"],
+                 help="default: each method's own; 'both' (built-in benchmark) runs each method twice")
   p.add_argument("--save-predictions", action="store_true")
   p.add_argument("--resume", action="store_true", help="continue an interrupted run in --output")
   p.add_argument("--checkpoint-every", type=int, help="save progress every N batches (default 50)")
@@ -60,15 +61,9 @@ def config_from_args(a, presets: dict, defaults: Optional[dict] = None):
     kw["corruptions"] = {"all": imagenet.CORRUPTIONS, "heldout": imagenet.HELDOUT_CORRUPTIONS}.get(
         a.corruptions, tuple(c.strip() for c in a.corruptions.split(",") if c.strip()))
   if a.seeds:
-    try:
-      kw["seeds"] = tuple(int(s) for s in a.seeds.split(","))
-    except ValueError:
-      raise UserError(f"--seeds: expected comma-separated integers, got '{a.seeds}'") from None
+    kw["seeds"] = parse_seeds(a.seeds)
   if a.method_args:
-    try:
-      extra = json.loads(a.method_args)
-    except json.JSONDecodeError as e:
-      raise UserError(f"--method-args: not valid JSON ({e.msg})") from None
+    extra = parse_method_args(a.method_args)
     merged = dict(kw.get("method_args", {}))
     for m, args in extra.items():
       merged[m] = {**merged.get(m, {}), **args}
@@ -82,6 +77,49 @@ def config_from_args(a, presets: dict, defaults: Optional[dict] = None):
       raise UserError(f"--{need} is required with --data (or use a preset that sets it)")
   kw.setdefault("output", os.path.join("runs", a.preset or "imagenet_c"))
   return harness.RunConfig(**kw)
+
+
+def parse_seeds(text: str) -> tuple[int, ...]:
+  try:
+    return tuple(int(s) for s in text.split(","))
+  except ValueError:
+    raise UserError(f"--seeds: expected comma-separated integers, got '{text}'") from None
+
+
+def parse_method_args(text: Optional[str]) -> dict:
+  if not text:
+    return {}
+  try:
+    extra = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise UserError(f"--method-args: not valid JSON ({e.msg})") from None
+  if not isinstance(extra, dict) or not all(isinstance(v, dict) for v in extra.values()):
+    raise UserError("--method-args: expected a JSON object of objects, e.g. '{\"tent\": {\"lr\": 0.01}}'")
+  return extra
+
+
+def mean_accuracy(records, method: str, seeds) -> list[float]:
+  """Per seed: the mean accuracy over corruptions of ``method``."""
+  import numpy as np
+
+  return [float(np.mean([r["accuracy"] for r in records if r["method"] == method and r["seed"] == s]))
+          for s in seeds if any(r["method"] == method and r["seed"] == s for r in records)]
+
+
+def eval_order_table(results: dict, methods) -> str:
+  """``{order: harness result}`` -> one table: the average accuracy of each method per eval order."""
+  import numpy as np
+
+  orders = list(results)
+  lines = ["| method | " + " | ".join(f"predict {o} update" for o in orders) + " |", "|---" * (len(orders) + 1) + "|"]
+  for m in methods:
+    cells = []
+    for o in orders:
+      recs = results[o]["records"]
+      v = mean_accuracy(recs, m, sorted({r["seed"] for r in recs}))
+      cells.append("-" if not v else f"{100 * np.mean(v):.1f}" + (f" ± {100 * np.std(v):.1f}" if len(v) > 1 else ""))
+    lines.append(f"| {m} | " + " | ".join(cells) + " |")
+  return "\n".join(lines) + "\n"
 
 
 def run_many(base, runs: dict, title: str, column: str = "Avg.") -> str:

@@ -18,7 +18,7 @@ import shutil
 import signal
 import sys
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 
@@ -27,7 +27,7 @@ from pcsr_jax.data import imagenet, sources, streams, transforms
 from pcsr_jax.data.loader import Loader, decode_throughput
 from pcsr_jax.errors import UserError
 
-DATASETS = ("imagenet_c", "imagenet_r", "imagenet_a", "visda", "folder")
+DATASETS = ("imagenet_c", "imagenet_r", "imagenet_a", "visda", "folder", "fmnist_c")
 
 
 @dataclasses.dataclass
@@ -57,6 +57,11 @@ class RunConfig:
   image_list: str = "image_list.txt"  # visda: the list file under --data
   method_args: dict = dataclasses.field(default_factory=dict)  # e.g. {"pcsr": {"lr_dsn": 0.05}}
   progress: bool = True
+  # fmnist_c (the built-in benchmark): the first N test images of each corruption, and where they live.
+  images_per_corruption: Optional[int] = None
+  fmnist_dir: Optional[str] = None
+  cache_dir: Optional[str] = None
+  corruption_seed: int = 0
 
   def validate(self) -> None:
     for m in self.methods:
@@ -72,6 +77,17 @@ class RunConfig:
           raise UserError(f"--corruptions: unknown corruption '{c}'")
       if not 1 <= self.severity <= 5:
         raise UserError(f"--severity: expected 1 to 5, got {self.severity}")
+    if self.dataset == "fmnist_c":
+      from pcsr_jax.data import corruptions, fmnist_c
+
+      for c in self.corruptions:
+        if c not in corruptions.ALL + (fmnist_c.CLEAN,):
+          raise UserError(f"--corruptions: unknown corruption '{c}': expected some of {', '.join(corruptions.ALL)}"
+                          f" or clean")
+      if not 1 <= self.severity <= 5:
+        raise UserError(f"--severity: expected 1 to 5, got {self.severity}")
+      if self.images_per_corruption is not None and not 1 <= self.images_per_corruption <= 10000:
+        raise UserError(f"--images: expected 1 to 10000, got {self.images_per_corruption}")
     if self.eval_order not in (None, "before", "after"):
       raise UserError(f"--eval-order: expected before or after, got '{self.eval_order}'")
     if self.batch_size < 1 or (self.limit is not None and self.limit < 1) or self.checkpoint_every < 1:
@@ -94,8 +110,13 @@ def versions() -> dict[str, str]:
               numpy=np.__version__, python=sys.version.split()[0], devices=str(jax.devices()))
 
 
-def open_domains(cfg: RunConfig):
-  """[(domain name, source)]: one per corruption for ImageNet-C, one for the other datasets."""
+def open_domains(cfg: RunConfig, log=print):
+  """[(domain name, source)]: one per corruption for ImageNet-C and Fashion-MNIST-C, one for the others."""
+  if cfg.dataset == "fmnist_c":
+    from pcsr_jax.data import fmnist_c
+
+    return fmnist_c.sources(cfg.corruptions, cfg.severity, cfg.images_per_corruption or 10000, cfg.fmnist_dir,
+                            cfg.cache_dir, cfg.corruption_seed, progress=cfg.progress, log=log)
   if cfg.dataset == "imagenet_c":
     if cfg.data == "tfds":
       return [(c, sources.TFDSSource(c, cfg.severity, cfg.tfds_data_dir)) for c in cfg.corruptions]
@@ -173,10 +194,11 @@ def run(cfg: RunConfig, log=print) -> dict:
   """Runs the experiment; returns ``{'records', 'curves', 'skipped', ...}`` and writes the outputs."""
   cfg.validate()
   model, params, meta = checkpoint.load(cfg.checkpoint)
-  domains = open_domains(cfg)
+  domains = open_domains(cfg, log)
   subset = imagenet.class_subset(cfg.dataset) if cfg.dataset in ("imagenet_r", "imagenet_a") else None
   for name, src in domains:
-    sources.check_classes(src, meta["num_classes"], subset, f"{cfg.data}/{name}" if cfg.data != "tfds" else name)
+    sources.check_classes(src, meta["num_classes"], subset,
+                          f"{cfg.data}/{name}" if cfg.data not in ("tfds", "builtin") else name)
   relabel = None  # ImageNet-R/-A: labels become positions in the 200-class subset of the logits
   if subset is not None:
     model = model.clone(class_subset=tuple(int(c) for c in subset))

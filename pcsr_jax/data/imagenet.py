@@ -16,6 +16,7 @@ CORRUPTIONS = ("gaussian_noise", "shot_noise", "impulse_noise", "defocus_blur", 
 HELDOUT_CORRUPTIONS = ("speckle_noise", "gaussian_blur", "spatter", "saturate")
 SHORT_NAMES = dict(zip(CORRUPTIONS, ("gaus", "shot", "impul", "defcs", "gls", "mtn", "zm", "snw", "frst", "fg",
                                      "brt", "cnt", "els", "px", "jpg")))
+SHORT_NAMES.update(speckle_noise="spckl", gaussian_blur="gblur", spatter="sptr", saturate="sat")
 
 
 @functools.lru_cache(maxsize=None)

@@ -19,6 +19,7 @@ from PIL import Image
 
 _INTERP = {"bicubic": Image.BICUBIC, "bilinear": Image.BILINEAR, "nearest": Image.NEAREST,
            "lanczos": Image.LANCZOS}
+# interpolation "none": the model takes images at its own size only (the built-in benchmark's 32 px).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,17 +41,26 @@ class Preprocess:
   def resize_to(self) -> int:
     return int(math.floor(self.img_size / self.crop_pct))
 
-  def __call__(self, img: Image.Image) -> np.ndarray:
+  def __call__(self, img: Image.Image | np.ndarray) -> np.ndarray:
+    if isinstance(img, np.ndarray):  # in-memory uint8 HWC (the built-in benchmark): already at size
+      if img.shape != (self.img_size, self.img_size, 3):
+        raise ValueError(f"array image of shape {img.shape}, expected {(self.img_size, self.img_size, 3)}")
+      return self.normalize(img)
     img = img.convert("RGB")
     w, h = img.size
     s = self.img_size if self.crop_only else self.resize_to
     if min(w, h) != s and not (self.crop_only and min(w, h) > s):
       # Shorter side to s, aspect kept (torchvision Resize(int)): the long side is truncated.
       nw, nh = (s, int(s * h / w)) if w <= h else (int(s * w / h), s)
+      if self.interpolation not in _INTERP:
+        raise ValueError(f"image of size {img.size} needs resizing, but interpolation is '{self.interpolation}'")
       img = img.resize((nw, nh), _INTERP[self.interpolation])
       w, h = nw, nh
     left, top = int(round((w - self.img_size) / 2.0)), int(round((h - self.img_size) / 2.0))
     img = img.crop((left, top, left + self.img_size, top + self.img_size))
+    return self.normalize(img)
+
+  def normalize(self, img: Image.Image | np.ndarray) -> np.ndarray:
     x = np.asarray(img, np.float32) / 255.0
     return (x - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
 

@@ -43,6 +43,7 @@ class PCSR(Method):
   adapt_norms: bool = False  # also adapt the backbone's LayerNorms (lr 0.001 * B / 64)
   reset: bool = False  # SAR-style recovery when the EMA of the reliable entropy drops below 0.2
   reset_constant: float = 0.2
+  similarity_weight: float = 1.0  # scales eq. 9's lambda (1: the paper; 0: entropy only, an ablation)
 
   def __post_init__(self):
     if isinstance(self.config, dict):  # from JSON (--method-args)
@@ -82,7 +83,7 @@ class PCSR(Method):
       l_ent = losses.masked_mean(ent, mask)
       sims = jax.tree.leaves(sown.get("losses", {}))  # one [B] per layer call
       l_sim = losses.similarity_loss(jnp.stack(sims), valid) if sims else jnp.zeros(())
-      lam = jnp.sum(mask) / jnp.maximum(jnp.sum(valid), 1)  # eq. 9's lambda
+      lam = self.similarity_weight * jnp.sum(mask) / jnp.maximum(jnp.sum(valid), 1)  # eq. 9's lambda
       return l_ent + lam * l_sim, (logits, l_ent, l_sim, jnp.sum(mask))
 
     (loss, (logits, l_ent, l_sim, n_rel)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.trainable)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-import jax.numpy as jnp
 import optax
 
 from pcsr_jax import losses
