@@ -10,8 +10,8 @@ Presets (``--preset``): ``table1`` (ViT-B/16, severity 5), ``level3`` (severity 
 Without ``--data`` it runs the built-in benchmark: Source, TENT, SAR and PCSR
 on Fashion-MNIST-C (real Fashion-MNIST test images, the 15 corruptions at
 CIFAR-10-C strength, severity 5) with the committed source ViT
-(``assets/fmnist_vit``) -- 2,000 images per corruption and one seed in a few
-minutes on a laptop CPU, or ``--full`` (10,000 images, 3 seeds).
+(``assets/fmnist_vit``) -- 1,280 images per corruption and one seed in under
+5 minutes on a 2-core CPU, or ``--full`` (10,000 images, 3 seeds).
 ``--eval-order both`` runs every method twice, predicting before and after its
 update, and prints the two side by side.
 """
@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   p = common.parser("imagenet_c.py", __doc__.split("\n\n")[0], PRESETS)
   g = p.add_argument_group("built-in benchmark (no --data)")
   g.add_argument("--full", action="store_true", help="all 10,000 test images per corruption, 3 seeds")
-  g.add_argument("--images", type=int, help="images per corruption (default 2000)")
+  g.add_argument("--images", type=int, help="images per corruption (default 1280)")
   g.add_argument("--fashion-mnist-dir", help="dir with Fashion-MNIST's idx(.gz) files (default: Debian's)")
   g.add_argument("--cache-dir", help="where Fashion-MNIST-C is cached (default: ~/.cache/pcsr-jax)")
   a = p.parse_args(argv)

@@ -152,7 +152,7 @@ class Resume:
   """Progress on disk: ``resume/progress.json`` (atomic) pointing at an orbax state dir."""
 
   def __init__(self, out_dir: str):
-    self.dir = os.path.join(out_dir, "resume")
+    self.dir = os.path.join(os.path.abspath(out_dir), "resume")  # orbax needs absolute paths
     self.path = os.path.join(self.dir, "progress.json")
 
   def load(self) -> Optional[dict]:
