@@ -30,12 +30,16 @@ METHOD_ARGS: dict[str, dict] = {
 
 def run_config(output: str, images: int = DEFAULT_IMAGES, seeds=DEFAULT_SEEDS, methods=("source", "tent", "sar", "pcsr"),
                corruptions=None, severity: int = SEVERITY, eval_order=None, method_args=None, checkpoint=CHECKPOINT,
-               **kw):
-  """The harness config of a built-in run (``corruptions`` default: the 15 benchmark ones)."""
+               frozen_args: bool = True, **kw):
+  """The harness config of a built-in run (``corruptions`` default: the 15 benchmark ones).
+
+  ``method_args`` override the frozen `METHOD_ARGS`; ``frozen_args=False`` starts from the methods'
+  own defaults instead (the sweep scores each candidate exactly as written).
+  """
   from pcsr_jax import harness
   from pcsr_jax.data import corruptions as corr
 
-  merged = {m: dict(METHOD_ARGS.get(m, {})) for m in methods if m in METHOD_ARGS}
+  merged = {m: dict(METHOD_ARGS[m]) for m in methods if m in METHOD_ARGS} if frozen_args else {}
   for m, a in (method_args or {}).items():
     merged[m] = {**merged.get(m, {}), **a}
   return harness.RunConfig(data="builtin", checkpoint=checkpoint, output=output, dataset="fmnist_c",

@@ -45,7 +45,6 @@ def parser(prog: str, description: str, presets: dict) -> ArgumentParser:
 
 def config_from_args(a, presets: dict, defaults: Optional[dict] = None):
   from pcsr_jax import harness
-  from pcsr_jax.data import imagenet
 
   kw = dict(defaults or {})
   if a.preset:
@@ -56,10 +55,9 @@ def config_from_args(a, presets: dict, defaults: Optional[dict] = None):
                label_shift_indices=a.label_shift_indices, tfds_data_dir=a.tfds_data_dir, image_list=a.image_list)
   kw.update({k: v for k, v in flags.items() if v is not None})
   if a.methods:
-    kw["methods"] = tuple(m.strip() for m in a.methods.split(",") if m.strip())
+    kw["methods"] = parse_list(a.methods)
   if a.corruptions:
-    kw["corruptions"] = {"all": imagenet.CORRUPTIONS, "heldout": imagenet.HELDOUT_CORRUPTIONS}.get(
-        a.corruptions, tuple(c.strip() for c in a.corruptions.split(",") if c.strip()))
+    kw["corruptions"] = parse_corruptions(a.corruptions)
   if a.seeds:
     kw["seeds"] = parse_seeds(a.seeds)
   if a.method_args:
@@ -77,6 +75,17 @@ def config_from_args(a, presets: dict, defaults: Optional[dict] = None):
       raise UserError(f"--{need} is required with --data (or use a preset that sets it)")
   kw.setdefault("output", os.path.join("runs", a.preset or "imagenet_c"))
   return harness.RunConfig(**kw)
+
+
+def parse_list(text: str) -> tuple[str, ...]:
+  return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def parse_corruptions(text: str) -> tuple[str, ...]:
+  """'all' (the 15), 'heldout' (the 4), or comma-separated names."""
+  from pcsr_jax.data import imagenet
+
+  return {"all": imagenet.CORRUPTIONS, "heldout": imagenet.HELDOUT_CORRUPTIONS}.get(text) or parse_list(text)
 
 
 def parse_seeds(text: str) -> tuple[int, ...]:
@@ -108,7 +117,7 @@ def mean_accuracy(records, method: str, seeds) -> list[float]:
 
 def eval_order_table(results: dict, methods) -> str:
   """``{order: harness result}`` -> one table: the average accuracy of each method per eval order."""
-  import numpy as np
+  from pcsr_jax.results import fmt_mean_std
 
   orders = list(results)
   lines = ["| method | " + " | ".join(f"predict {o} update" for o in orders) + " |", "|---" * (len(orders) + 1) + "|"]
@@ -116,8 +125,7 @@ def eval_order_table(results: dict, methods) -> str:
     cells = []
     for o in orders:
       recs = results[o]["records"]
-      v = mean_accuracy(recs, m, sorted({r["seed"] for r in recs}))
-      cells.append("-" if not v else f"{100 * np.mean(v):.1f}" + (f" ± {100 * np.std(v):.1f}" if len(v) > 1 else ""))
+      cells.append(fmt_mean_std([100 * v for v in mean_accuracy(recs, m, sorted({r["seed"] for r in recs}))]))
     lines.append(f"| {m} | " + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n"
 
@@ -127,19 +135,15 @@ def run_many(base, runs: dict, title: str, column: str = "Avg.") -> str:
   the mean accuracy over corruptions (± std over seeds) of each row and method."""
   import dataclasses
 
-  import numpy as np
-
   from pcsr_jax import harness
+  from pcsr_jax.results import fmt_mean_std
 
   lines = [f"| {title} | method | {column} |", "|---|---|---|"]
   for name, over in runs.items():
     cfg = dataclasses.replace(base, output=os.path.join(base.output, name), **over)
     res = harness.run(cfg)
     for m in cfg.methods:
-      per_seed = [np.mean([r["accuracy"] for r in res["records"] if r["method"] == m and r["seed"] == s])
-                  for s in cfg.seeds]
-      cell = f"{100 * np.mean(per_seed):.1f}" + (f" ± {100 * np.std(per_seed):.1f}" if len(per_seed) > 1 else "")
-      lines.append(f"| {name} | {m} | {cell} |")
+      lines.append(f"| {name} | {m} | {fmt_mean_std([100 * v for v in mean_accuracy(res['records'], m, cfg.seeds)])} |")
   table = "\n".join(lines) + "\n"
   os.makedirs(base.output, exist_ok=True)
   with open(os.path.join(base.output, "summary.md"), "w") as f:

@@ -54,9 +54,8 @@ def builtin_run(a) -> int:
   meta = checkpoint.load_meta(ckpt)
   images = builtin.FULL_IMAGES if a.full else (a.images or builtin.DEFAULT_IMAGES)
   seeds = common.parse_seeds(a.seeds) if a.seeds else (builtin.FULL_SEEDS if a.full else builtin.DEFAULT_SEEDS)
-  corr = {"all": corruptions.BENCHMARK, "heldout": corruptions.HELDOUT, None: corruptions.BENCHMARK}.get(
-      a.corruptions) or tuple(c.strip() for c in a.corruptions.split(",") if c.strip())
-  methods = tuple(m.strip() for m in a.methods.split(",")) if a.methods else ("source", "tent", "sar", "pcsr")
+  corr = common.parse_corruptions(a.corruptions) if a.corruptions else corruptions.BENCHMARK
+  methods = common.parse_list(a.methods) if a.methods else ("source", "tent", "sar", "pcsr")
   out = a.output or os.path.join("runs", "builtin_full" if a.full else "builtin")
   orders = ("before", "after") if a.eval_order == "both" else (a.eval_order,)
   acc = meta.get("training", {}).get("clean_test_accuracy")

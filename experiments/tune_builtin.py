@@ -67,9 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for i, args in enumerate(GRID[m]):
       name = f"{m}_" + "_".join(f"{k}{v}" for k, v in args.items())
       cfg = builtin.run_config(os.path.join(a.output, name), images=a.images, methods=(m,),
-                               corruptions=corruptions.HELDOUT, method_args={m: args}, cache_dir=a.cache_dir,
-                               progress=False)
-      cfg.method_args = {m: dict(args)}  # exactly the candidate, not merged with the frozen choice
+                               corruptions=corruptions.HELDOUT, method_args={m: args}, frozen_args=False,
+                               cache_dir=a.cache_dir, progress=False)
       res = harness.run(cfg, log=lambda *_: None)
       per = {r["corruption"]: r["accuracy"] for r in res["records"]}
       mean = sum(per.values()) / len(per)

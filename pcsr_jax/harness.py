@@ -75,8 +75,6 @@ class RunConfig:
       for c in self.corruptions:
         if c not in imagenet.CORRUPTIONS + imagenet.HELDOUT_CORRUPTIONS:
           raise UserError(f"--corruptions: unknown corruption '{c}'")
-      if not 1 <= self.severity <= 5:
-        raise UserError(f"--severity: expected 1 to 5, got {self.severity}")
     if self.dataset == "fmnist_c":
       from pcsr_jax.data import corruptions, fmnist_c
 
@@ -84,10 +82,10 @@ class RunConfig:
         if c not in corruptions.ALL + (fmnist_c.CLEAN,):
           raise UserError(f"--corruptions: unknown corruption '{c}': expected some of {', '.join(corruptions.ALL)}"
                           f" or clean")
-      if not 1 <= self.severity <= 5:
-        raise UserError(f"--severity: expected 1 to 5, got {self.severity}")
       if self.images_per_corruption is not None and not 1 <= self.images_per_corruption <= 10000:
         raise UserError(f"--images: expected 1 to 10000, got {self.images_per_corruption}")
+    if self.dataset in ("imagenet_c", "fmnist_c") and not 1 <= self.severity <= 5:
+      raise UserError(f"--severity: expected 1 to 5, got {self.severity}")
     if self.eval_order not in (None, "before", "after"):
       raise UserError(f"--eval-order: expected before or after, got '{self.eval_order}'")
     if self.batch_size < 1 or (self.limit is not None and self.limit < 1) or self.checkpoint_every < 1:

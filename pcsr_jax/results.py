@@ -46,13 +46,14 @@ def table(records: Sequence[dict], corruptions: Sequence[str], methods: Sequence
     cells = []
     for c in cols:
       v = [per_seed[s][c] for s in seeds if c in per_seed[s]]
-      cells.append(_fmt(v))
+      cells.append(fmt_mean_std(v))
     avgs = [np.mean([per_seed[s][c] for c in cols]) for s in seeds if all(c in per_seed[s] for c in cols)]
-    lines.append(f"| {m} | " + " | ".join(cells) + f" | {_fmt(avgs)} |")
+    lines.append(f"| {m} | " + " | ".join(cells) + f" | {fmt_mean_std(avgs)} |")
   return "\n".join(lines) + "\n"
 
 
-def _fmt(v: Sequence[float]) -> str:
+def fmt_mean_std(v: Sequence[float]) -> str:
+  """Accuracies in [0, 100] -> "m" or "m ± s" (population std); "-" when empty."""
   if not v:
     return "-"
   return f"{np.mean(v):.1f}" if len(v) == 1 else f"{np.mean(v):.1f} ± {np.std(v):.1f}"

@@ -81,8 +81,8 @@ def _zoom_matrix(h: int, factor: float) -> np.ndarray:
 
   scipy's ``zoom(order=1)`` (the original's resampler) maps output pixel o of
   ``n_out = round(n_in * factor)`` to input coordinate ``o * (n_in - 1) / (n_out - 1)``
-  and interpolates linearly. Written as a matrix, it runs on a whole batch in
-  one einsum instead of one scipy call per image and zoom factor.
+  and interpolates linearly. Written as a matrix, it runs on a whole batch as
+  two batched matmuls instead of one scipy call per image and zoom factor.
   """
   ch = int(np.ceil(h / factor))
   top = (h - ch) // 2
