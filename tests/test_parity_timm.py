@@ -106,8 +106,15 @@ def test_cli_verify_prints_parity(tmp_path):
   assert float(line.split("=")[1].split()[0]) < TOL, line
 
 
+# Floats that timm computes (logits, block features) depend on the CPU's BLAS kernels and thread count: an AMD
+# EPYC regenerating the fixtures made on another x86-64 machine differed by up to 4.8e-7 absolute (6.0e-6
+# relative) on logits of magnitude ~0.1. 1e-5 (absolute and relative) is 20x that spread and still 10x tighter
+# than the Flax-vs-timm check of test_golden.py, which these fixtures exist for.
+COMPUTED_ATOL = COMPUTED_RTOL = 1e-5
+
+
 def test_golden_fixtures_are_reproducible(tmp_path):
-  """make_golden.py regenerates the committed fixtures exactly."""
+  """make_golden.py regenerates the committed fixtures: seeded inputs exactly, timm's outputs within float noise."""
   import golden_fixtures
   import make_golden
 
@@ -116,5 +123,10 @@ def test_golden_fixtures_are_reproducible(tmp_path):
     with np.load(os.path.join(str(tmp_path), f"{name}.npz")) as new, \
          np.load(os.path.join(golden_fixtures.GOLDEN_DIR, f"{name}.npz")) as old:
       assert sorted(new.files) == sorted(old.files)
+      computed = [k for k in old.files if k == "logits" or k.startswith("block_")]
+      assert "logits" in computed and len(computed) == cfg.depth + 1
       for k in old.files:
-        np.testing.assert_array_equal(new[k], old[k], err_msg=f"{name}:{k}")
+        if k in computed:
+          np.testing.assert_allclose(new[k], old[k], atol=COMPUTED_ATOL, rtol=COMPUTED_RTOL, err_msg=f"{name}:{k}")
+        else:  # parameters from torch's seeded generator, the numpy-seeded input and the config: bit for bit
+          np.testing.assert_array_equal(new[k], old[k], err_msg=f"{name}:{k}")

@@ -1,0 +1,34 @@
+"""Comparisons of predictions computed by two different XLA programs (batch shapes, fusions, thread counts).
+
+Two programs that compute the same logits agree only to float rounding, so an argmax may flip where the top
+two logits are within rounding of each other. These helpers compare predictions exactly wherever the decision
+is clear, and bound everything else by the number of near-ties, on any x86-64 CPU and thread count.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# float32 logits of the test models are O(1-10); two XLA programs differ by ~1e-6 there. 1e-4 is 100x that.
+TIE_GAP = 1e-4
+
+
+def near_ties(logits: np.ndarray, gap: float = TIE_GAP) -> np.ndarray:
+  """Rows whose two largest logits are within ``gap``: their argmax is not decided above float noise."""
+  top2 = np.sort(np.asarray(logits, np.float64), axis=-1)[:, -2:]
+  return (top2[:, 1] - top2[:, 0]) <= gap
+
+
+def assert_predictions_match(predictions: np.ndarray, logits: np.ndarray) -> None:
+  """``predictions`` (from one program) equal ``argmax(logits)`` (from another) on every clearly decided row."""
+  ties = near_ties(logits)
+  assert ties.mean() < 0.1, f"{ties.sum()} of {len(ties)} rows are near-ties: the comparison would say little"
+  np.testing.assert_array_equal(np.asarray(predictions)[~ties], np.asarray(logits).argmax(-1)[~ties])
+
+
+def assert_accuracy_matches(accuracy: float, logits: np.ndarray, labels: np.ndarray) -> None:
+  """A count-based accuracy equals the direct one, up to one image per near-tie (none when there is none)."""
+  ties = near_ties(logits)
+  assert ties.mean() < 0.1, f"{ties.sum()} of {len(ties)} rows are near-ties: the comparison would say little"
+  direct = int((np.asarray(logits).argmax(-1) == labels).sum())
+  assert abs(round(accuracy * len(labels)) - direct) <= int(ties.sum()), (accuracy * len(labels), direct, ties.sum())
