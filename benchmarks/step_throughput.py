@@ -104,7 +104,7 @@ def parser() -> ArgumentParser:
   p = ArgumentParser(prog="step_throughput.py", description=__doc__.split("\n\n")[0])
   p.add_argument("--arch", default="vit_small_patch16_224")
   p.add_argument("--batch-size", type=int, default=16)
-  p.add_argument("--method", default="pcsr", choices=["source", "tent", "sar", "pcsr"])
+  p.add_argument("--method", default="pcsr", choices=["source", "tent", "sar", "pcsr", "pcsr-frozen"])
   p.add_argument("--steps", type=int, default=10)
   p.add_argument("--warmup", type=int, default=2)
   p.add_argument("--frameworks", default="jax,torch", help="comma-separated: jax, torch")

@@ -1,9 +1,11 @@
-"""A compact PyTorch reference of Source, TENT, SAR and PCSR on timm (the ``convert`` extra).
+"""A compact PyTorch reference of Source, TENT, SAR and PCSR (both recipes) on timm (the ``convert`` extra).
 
 It follows the same protocol and hyperparameters as `pcsr_jax.methods`, written
 the way the PyTorch code of the field is written (SAR's official code for
-TENT/SAR; PCSR from the paper), so that the tests can check the JAX engine
-against it step by step and `step_throughput.py` can time both.
+TENT/SAR, including its SAM wrapper and its reset through ``load_state_dict``;
+PCSR's authors' recipe as DPAL's code runs it; the frozen recipe from the
+paper's text), so that the tests can check the JAX engine against it step by
+step and `step_throughput.py` can time both.
 
     ref = TorchAdapter("pcsr", timm_model, batch_size=64, pcsr_params=flax_recal_params)
     logits = ref.step(images_nchw)
@@ -68,18 +70,75 @@ class RecalibratedAttention(nn.Module):
     return a.proj(out.transpose(1, 2).reshape(b, n, c))
 
 
+class SAM(torch.optim.Optimizer):
+  """Sharpness-aware minimization as SAR's and DPAL's ``sam.py`` behave.
+
+  The wrapper's own ``state`` holds only each param's unperturbed copy; the
+  update (and its momentum buffers) belongs to the inner ``base_optimizer``,
+  which shares the wrapper's param groups. So ``state_dict`` /
+  ``load_state_dict`` save and restore the copies, never the momentum: the
+  point a faithful reset must reproduce.
+  """
+
+  def __init__(self, params, base_optimizer, rho: float = 0.05, **kwargs):
+    super().__init__(params, dict(rho=rho, **kwargs))
+    self.base_optimizer = base_optimizer(self.param_groups, **kwargs)
+    self.param_groups = self.base_optimizer.param_groups
+
+  @torch.no_grad()
+  def first_step(self) -> None:
+    """Climb to ``w + rho * g / (||g|| + 1e-12)``, the norm over every param this optimizer holds."""
+    held = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+    grad_norm = torch.norm(torch.stack([p.grad.norm(p=2) for p in held]), p=2)
+    for group in self.param_groups:
+      for p in group["params"]:
+        if p.grad is None:
+          continue
+        self.state[p]["old_p"] = p.detach().clone()
+        p.add_(p.grad * (group["rho"] / (grad_norm + 1e-12)))
+    self.zero_grad()
+
+  @torch.no_grad()
+  def second_step(self) -> None:
+    """Back to ``w``, then the base optimizer's step with the gradient taken at ``w + e``."""
+    for group in self.param_groups:
+      for p in group["params"]:
+        if p.grad is not None:
+          p.copy_(self.state[p]["old_p"])
+    self.base_optimizer.step()
+    self.zero_grad()
+
+  def load_state_dict(self, state_dict) -> None:
+    super().load_state_dict(state_dict)
+    self.base_optimizer.param_groups = self.param_groups
+
+
+def sar_layernorms(model: nn.Module, skip=("blocks.9.", "blocks.10.", "blocks.11.")) -> list[nn.Parameter]:
+  """SAR's adapted params: weight and bias of every LayerNorm but blocks 9-11's and the final norm."""
+  return [p for nm, m in model.named_modules() if isinstance(m, nn.LayerNorm) and nm != "norm"
+          and not any((nm + ".").startswith(s) for s in skip) for p in (m.weight, m.bias)]
+
+
 class TorchAdapter:
-  """One method on a timm ViT, stepping like `pcsr_jax.engine.Adapter` (no padding: exact batches)."""
+  """One method on a timm ViT, stepping like `pcsr_jax.engine.Adapter` (no padding: exact batches).
+
+  ``pcsr`` is the authors' recipe (SAR's base + PCSR's modules, DPAL's step order and reset), ``pcsr-frozen``
+  the paper's text alone (backbone frozen, plain SGD, predict after the update).
+  """
 
   def __init__(self, method: str, model: nn.Module, batch_size: int, eval_order: Optional[str] = None,
                pcsr_params: Optional[Mapping[str, Any]] = None, lr_dsn: float = 0.2, lr_fgn: float = 0.0005,
-               margin: Optional[float] = None):
+               margin: Optional[float] = None, reset_constant: float = 0.2, lr: Optional[float] = None):
     self.method = method
     self.model = model
-    self.eval_order = eval_order or ("after" if method == "pcsr" else "before")
+    self.eval_order = eval_order or ("after" if method == "pcsr-frozen" else "before")
     num_classes = model.head.out_features
     self.margin = margin if margin is not None else 0.4 * math.log(num_classes)
-    lr = 0.001 * batch_size / 64
+    self.reset_constant = reset_constant
+    self.ema: Optional[float] = None
+    self.resets = 0
+    self.rho = 0.05
+    lr = lr if lr is not None else 0.001 * batch_size / 64  # the LayerNorms' (SAR's code: 0.001 * B / 64)
     model.requires_grad_(False)
     if method == "source":
       self.params = []
@@ -87,38 +146,49 @@ class TorchAdapter:
       self.params = [p for m in model.modules() if isinstance(m, nn.LayerNorm) for p in (m.weight, m.bias)]
       self.opt = torch.optim.SGD(self.params, lr=lr, momentum=0.9)
     elif method == "sar":
-      skip = ("blocks.9.", "blocks.10.", "blocks.11.")
-      self.params = [p for nm, m in model.named_modules() if isinstance(m, nn.LayerNorm) and nm != "norm"
-                     and not any((nm + ".").startswith(s) for s in skip) for p in (m.weight, m.bias)]
-      self.opt = torch.optim.SGD(self.params, lr=lr * (2 if batch_size == 1 else 1), momentum=0.9)
-      self.ema: Optional[float] = None
-      self.rho = 0.05
-      self.source = (copy.deepcopy([p.detach().clone() for p in self.params]), copy.deepcopy(self.opt.state_dict()))
-    elif method == "pcsr":
+      self.params = sar_layernorms(model)
+      self.opt = SAM(self.params, torch.optim.SGD, rho=self.rho, lr=lr * (2 if batch_size == 1 else 1),
+                     momentum=0.9)
+    elif method in ("pcsr", "pcsr-frozen"):
       d = model.embed_dim
       self.recals = nn.ModuleList([Recalibrator(d) for _ in model.blocks]).to(model.cls_token.device)
       for i, (blk, rc) in enumerate(zip(model.blocks, self.recals)):
         if pcsr_params is not None:
           load_recalibrator(rc, pcsr_params[f"recal_{i}"])
         blk.attn = RecalibratedAttention(blk.attn, rc)
-      self.opt = torch.optim.SGD([
-          {"params": [p for rc in self.recals for p in rc.dsn.parameters()], "lr": lr_dsn},
-          {"params": [p for rc in self.recals for p in rc.fgn.parameters()], "lr": lr_fgn}], lr=lr_fgn,
-          momentum=0.9)
-      self.params = list(self.recals.parameters())
+      dsn = [p for rc in self.recals for p in rc.dsn.parameters()]
+      fgn = [p for rc in self.recals for p in rc.fgn.parameters()]
+      if method == "pcsr-frozen":
+        self.opt = torch.optim.SGD([{"params": dsn, "lr": lr_dsn}, {"params": fgn, "lr": lr_fgn}], lr=lr_fgn,
+                                   momentum=0.9)
+        self.params = list(self.recals.parameters())
+      else:  # DPAL: LayerNorms and FGN in SAM, the DSN in its own plain SGD
+        self.norms = sar_layernorms(model)
+        self.opt = SAM([{"params": self.norms, "lr": lr}, {"params": fgn, "lr": lr_fgn}], torch.optim.SGD,
+                       rho=self.rho, lr=lr, momentum=0.9)
+        self.dsn_opt = torch.optim.SGD(dsn, lr=lr_dsn, momentum=0.9)
+        self.params = self.norms + list(self.recals.parameters())
     else:
       raise ValueError(f"unknown method {method!r}")
     for p in self.params:
       p.requires_grad_(True)
+    # What SAR's / DPAL's reset reloads: the model's and every optimizer's state_dict at construction.
+    self.model_state = copy.deepcopy(model.state_dict())
+    self.opt_states = [copy.deepcopy(o.state_dict()) for o in self._optimizers()]
+
+  def _optimizers(self) -> list[torch.optim.Optimizer]:
+    return [o for o in (getattr(self, "opt", None), getattr(self, "dsn_opt", None)) if o is not None]
 
   def step(self, x: torch.Tensor) -> torch.Tensor:
     if self.method == "source":
       with torch.no_grad():
         return self.model(x)
-    logits = getattr(self, f"_step_{self.method}")(x)
+    logits = getattr(self, f"_step_{self.method.replace('-', '_')}")(x)
     if self.eval_order == "after":
       with torch.no_grad():
         logits = self.model(x)
+    elif self.eval_order == "perturbed":
+      logits = self.perturbed_logits
     return logits.detach()
 
   def _step_tent(self, x):
@@ -129,56 +199,69 @@ class TorchAdapter:
     self.opt.step()
     return out
 
+  def _second_pass_and_recovery(self, x, mask1) -> None:
+    """SAR's second forward at the perturbed weights, SAM's second step, the EMA and the reset."""
+    out2 = self.model(x)
+    self.perturbed_logits = out2
+    ent2 = softmax_entropy(out2)[mask1]
+    mask2 = ent2 < self.margin
+    loss2 = masked_mean(ent2, mask2)
+    if bool(mask2.any()):  # the official code skips a NaN loss (empty second mask)
+      v = float(loss2.item())
+      self.ema = v if self.ema is None else 0.9 * self.ema + 0.1 * v
+    loss2.backward()
+    self.opt.second_step()
+    if self.ema is not None and self.ema < self.reset_constant:
+      self.model.load_state_dict(self.model_state, strict=True)
+      for o, st in zip(self._optimizers(), self.opt_states):
+        o.load_state_dict(copy.deepcopy(st))
+      self.resets += 1  # the caller writes the pre-reset EMA back: self.ema is kept
+
   def _step_sar(self, x):
     self.opt.zero_grad()
     out = self.model(x)
     ent = softmax_entropy(out)
     mask1 = ent < self.margin
     masked_mean(ent, mask1).backward()
-    # SAM first step: e = rho * g / (||g|| + 1e-12), global norm.
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-    scale = self.rho / (torch.norm(torch.stack([g.norm(p=2) for g in grads]), p=2) + 1e-12)
-    old = [p.detach().clone() for p in self.params]
-    with torch.no_grad():
-      for p, g in zip(self.params, grads):
-        p.add_(g * scale)
-    self.opt.zero_grad()
-    ent2 = softmax_entropy(self.model(x))[mask1]
-    mask2 = ent2 < self.margin
-    loss2 = masked_mean(ent2, mask2)
-    if bool(mask2.any()):
-      v = float(loss2.item())
-      self.ema = v if self.ema is None else 0.9 * self.ema + 0.1 * v
-    loss2.backward()
-    with torch.no_grad():
-      for p, o in zip(self.params, old):
-        p.copy_(o)
-    self.opt.step()
-    if self.ema is not None and self.ema < 0.2:
-      with torch.no_grad():
-        for p, s in zip(self.params, self.source[0]):
-          p.copy_(s)
-      self.opt.load_state_dict(copy.deepcopy(self.source[1]))  # SAR's code keeps the EMA after a reset
+    self.opt.first_step()
+    self._second_pass_and_recovery(x, mask1)
     return out
 
-  def _step_pcsr(self, x):
-    out = self.model(x)
+  def _pcsr_loss(self, out):
     ent = softmax_entropy(out)
     mask = ent < self.margin
     l_sim = -torch.stack([rc.similarity for rc in self.recals]).mean(0).mean()
-    loss = masked_mean(ent, mask) + (mask.sum() / x.shape[0]) * l_sim
+    return masked_mean(ent, mask) + (mask.sum() / out.shape[0]) * l_sim, mask
+
+  def _step_pcsr(self, x):
+    self.opt.zero_grad()
+    self.dsn_opt.zero_grad()
+    out = self.model(x)
+    loss, mask1 = self._pcsr_loss(out)
+    loss.backward()
+    self.dsn_opt.step()  # DPAL's order: the plain SGD first, then SAM's two steps
+    self.opt.first_step()
+    self._second_pass_and_recovery(x, mask1)
+    return out
+
+  def _step_pcsr_frozen(self, x):
+    out = self.model(x)
+    loss, _ = self._pcsr_loss(out)
     self.opt.zero_grad()
     loss.backward()
     self.opt.step()
     return out
 
   def adapted_state(self) -> dict[str, np.ndarray]:
-    """The adapted params as numpy, timm-named (LayerNorms) or ``recal_i.{dsn,fgn}.{weight,bias}``."""
-    if self.method == "pcsr":
-      return {f"recal_{i}.{k}": v.detach().numpy().copy() for i, rc in enumerate(self.recals)
-              for k, v in rc.state_dict().items() if not k.startswith("similarity")}
+    """The adapted params as numpy: timm names (LayerNorms) and ``recal_i.{dsn,fgn}.{weight,bias}``."""
     names = {id(p): n for n, p in self.model.named_parameters()}
-    return {names[id(p)]: p.detach().numpy().copy() for p in self.params}
+    out = {}
+    if self.method.startswith("pcsr"):
+      out = {f"recal_{i}.{k}": v.detach().numpy().copy() for i, rc in enumerate(self.recals)
+             for k, v in rc.state_dict().items() if not k.startswith("similarity")}
+    for p in getattr(self, "norms", []) if self.method.startswith("pcsr") else self.params:
+      out[names[id(p)]] = p.detach().numpy().copy()
+    return out
 
 
 def load_recalibrator(rc: Recalibrator, p: Mapping[str, Any]) -> None:

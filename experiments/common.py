@@ -19,7 +19,7 @@ def parser(prog: str, description: str, presets: dict) -> ArgumentParser:
   p.add_argument("--data", help="dataset root (ImageNet-C: <root>/<corruption>/<severity>/<wnid>/*.JPEG), or 'tfds'")
   p.add_argument("--checkpoint", help="a converted checkpoint dir (convert_weights.py)")
   p.add_argument("--dataset", help="imagenet_c (default), imagenet_r, imagenet_a, visda, folder")
-  p.add_argument("--methods", help="comma-separated: source,tent,sar,pcsr")
+  p.add_argument("--methods", help="comma-separated: source,tent,sar,pcsr,pcsr-frozen")
   p.add_argument("--corruptions", help="'all' (the 15), 'heldout' (the 4), or comma-separated names")
   p.add_argument("--severity", type=int)
   p.add_argument("--seeds", help="comma-separated, e.g. 2022,2023,2024")
@@ -28,8 +28,9 @@ def parser(prog: str, description: str, presets: dict) -> ArgumentParser:
   p.add_argument("--output", help="output dir (default: runs/<name>)")
   p.add_argument("--limit", type=int, help="at most N images per corruption (or stream segment)")
   p.add_argument("--no-shuffle", action="store_true", help="keep file order")
-  p.add_argument("--eval-order", choices=["before", "after", "both"],
-                 help="default: each method's own; 'both' (built-in benchmark) runs each method twice")
+  p.add_argument("--eval-order", choices=["before", "after", "perturbed", "both"],
+                 help="default: each method's own; 'perturbed': a SAM method's second forward (sar, pcsr); "
+                      "'both' (built-in benchmark) runs each method twice, before and after")
   p.add_argument("--save-predictions", action="store_true")
   p.add_argument("--resume", action="store_true", help="continue an interrupted run in --output")
   p.add_argument("--checkpoint-every", type=int, help="save progress every N batches (default 50)")

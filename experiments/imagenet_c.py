@@ -26,12 +26,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
 from pcsr_jax.errors import run_cli  # noqa: E402
+from pcsr_jax.methods.pcsr import PCSR  # noqa: E402
 
 PRESETS = {
     "table1": dict(severity=5, setting="normal", batch_size=64, seeds=(2022, 2023, 2024)),
     "level3": dict(severity=3, setting="normal", batch_size=64, seeds=(2022, 2023, 2024)),
     "vit_large": dict(severity=5, setting="normal", batch_size=64, seeds=(2022, 2023, 2024),
-                      method_args={"pcsr": {"lr_dsn": 0.05, "lr_fgn": 0.0001}}),
+                      method_args={m: PCSR.lrs("vit_large") for m in ("pcsr", "pcsr-frozen")}),
 }
 
 
@@ -55,7 +56,7 @@ def builtin_run(a) -> int:
   images = builtin.FULL_IMAGES if a.full else (a.images or builtin.DEFAULT_IMAGES)
   seeds = common.parse_seeds(a.seeds) if a.seeds else (builtin.FULL_SEEDS if a.full else builtin.DEFAULT_SEEDS)
   corr = common.parse_corruptions(a.corruptions) if a.corruptions else corruptions.BENCHMARK
-  methods = common.parse_list(a.methods) if a.methods else ("source", "tent", "sar", "pcsr")
+  methods = common.parse_list(a.methods) if a.methods else builtin.METHODS
   out = a.output or os.path.join("runs", "builtin_full" if a.full else "builtin")
   orders = ("before", "after") if a.eval_order == "both" else (a.eval_order,)
   acc = meta.get("training", {}).get("clean_test_accuracy")

@@ -13,7 +13,8 @@
   state buffers are donated, and nothing is copied to the host.
 * ``eval_order='before'`` returns the logits of the forward that computed the
   loss (SAR's code); ``'after'`` re-runs the forward with the updated params
-  (PCSR's Algorithm 1). The default is the method's own.
+  (PCSR's Algorithm 1); ``'perturbed'`` returns a SAM method's second forward,
+  at the perturbed weights (DPAL's code). The default is the method's own.
 * The batch is sharded over a 1-D ``'data'`` mesh of all devices, params and
   state are replicated; the global batch is padded to a multiple of the device
   count. The batch is placed with ``jax.make_array_from_process_local_data``,
@@ -34,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from pcsr_jax.errors import UserError
 from pcsr_jax.methods.base import AdaptState, Method, merge, split
 
-EVAL_ORDERS = ("before", "after")
+EVAL_ORDERS = ("before", "after", "perturbed")
 
 
 def data_mesh(devices: Optional[list] = None) -> Mesh:
@@ -52,8 +53,9 @@ class Adapter:
       raise UserError(f"--batch-size: expected a positive integer, got {batch_size}")
     self.method = method
     self.eval_order = eval_order or method.default_eval_order
-    if self.eval_order not in EVAL_ORDERS:
-      raise UserError(f"--eval-order: expected before or after, got '{self.eval_order}'")
+    if self.eval_order not in method.eval_orders:
+      raise UserError(f"--eval-order: expected {' or '.join(method.eval_orders)} for {method.name}, "
+                      f"got '{self.eval_order}'")
     self.batch_size = batch_size
     self.mesh = mesh if mesh is not None else data_mesh()
     n_dev = self.mesh.devices.size
@@ -87,7 +89,10 @@ class Adapter:
   def _step_impl(self, frozen, state: AdaptState, images, valid):
     self.num_traces += 1
     state, logits, metrics = self.method.update(self.prep, frozen, state, images, valid)
-    if self.eval_order == "after":
+    perturbed = metrics.pop("perturbed_logits", None)
+    if self.eval_order == "perturbed":
+      logits = perturbed
+    elif self.eval_order == "after":
       logits, _ = self.method.forward(self.prep, frozen, state.trainable, images)
     return state, logits, metrics
 

@@ -86,8 +86,8 @@ class RunConfig:
         raise UserError(f"--images: expected 1 to 10000, got {self.images_per_corruption}")
     if self.dataset in ("imagenet_c", "fmnist_c") and not 1 <= self.severity <= 5:
       raise UserError(f"--severity: expected 1 to 5, got {self.severity}")
-    if self.eval_order not in (None, "before", "after"):
-      raise UserError(f"--eval-order: expected before or after, got '{self.eval_order}'")
+    if self.eval_order not in (None,) + engine.EVAL_ORDERS:
+      raise UserError(f"--eval-order: expected one of {', '.join(engine.EVAL_ORDERS)}, got '{self.eval_order}'")
     if self.batch_size < 1 or (self.limit is not None and self.limit < 1) or self.checkpoint_every < 1:
       raise UserError("--batch-size, --limit and --checkpoint-every must be positive")
     if self.setting == "bs1" and self.batch_size != 1:
@@ -333,7 +333,7 @@ def _run_unit(cfg, key, method_name, seed, adapter, segments, names, loader, pro
     if pending is not None:
       _account(unit, curve, *pending, names, relabel)
     unit["seconds"] += time.perf_counter() - t_seg
-    _close_segment(cfg, unit, seg, method_name, seed, adapter, names, progress)
+    _close_segment(cfg, unit, seg, method_name, seed, adapter, names, progress, int(state.resets))
     unit["segment"], unit["batch"] = si + 1, 0
   bar.close()
   progress["throughput"][key] = dict(images=unit["images"], seconds=unit["total_seconds"],
@@ -368,8 +368,11 @@ def _account(unit, curve, preds, batch, names, relabel) -> None:
   curve["accuracy"].append(unit["correct"] / unit["seen"])
 
 
-def _close_segment(cfg, unit, seg, method_name, seed, adapter, names, progress) -> None:
-  """Records the segment's per-domain accuracies (for mix_shifts: every corruption in the mix)."""
+def _close_segment(cfg, unit, seg, method_name, seed, adapter, names, progress, resets) -> None:
+  """Records the segment's per-domain accuracies (for mix_shifts: every corruption in the mix).
+
+  ``resets`` counts the method's in-step recoveries (SAR's EMA reset) since its state was last initialized.
+  """
   tags = [seg.name] if seg.name != "mix" else names
   for tag in tags:
     if tag not in unit["counts"]:
@@ -377,7 +380,8 @@ def _close_segment(cfg, unit, seg, method_name, seed, adapter, names, progress) 
     correct, total = unit["counts"].pop(tag)
     progress["records"].append(dict(method=method_name, setting=cfg.setting, corruption=tag, severity=cfg.severity,
                                     seed=seed, eval_order=adapter.eval_order, accuracy=correct / max(total, 1),
-                                    num_samples=total, num_skipped=unit["skipped"], seconds=unit["seconds"]))
+                                    num_samples=total, num_skipped=unit["skipped"], seconds=unit["seconds"],
+                                    resets=resets))
     if cfg.save_predictions:
       fn, lab, pred = unit["preds"].pop(tag)
       d = os.path.join(cfg.output, "predictions")

@@ -12,7 +12,7 @@ import numpy as np
 from pcsr_jax.data.imagenet import SHORT_NAMES
 
 FIELDS = ("method", "setting", "corruption", "severity", "seed", "eval_order", "accuracy", "num_samples",
-          "num_skipped", "seconds")
+          "num_skipped", "seconds", "resets")
 
 
 def write_json(path: str, records: Sequence[dict], config: dict, extra: dict | None = None,

@@ -18,7 +18,7 @@ from tiny import batches, tiny_model
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("name", ["source", "tent", "sar", "pcsr"])
+@pytest.mark.parametrize("name", ["source", "tent", "sar", "pcsr", "pcsr-frozen"])
 def test_one_compile_for_a_stream_with_a_ragged_last_batch(name):
   ad, _, _, out = run(methods.get(name), n=4, batch_size=6, last=2, fresh=True)
   assert ad.num_traces == 1
@@ -60,8 +60,25 @@ def test_eval_order_after_predicts_with_the_updated_params():
 
 
 def test_default_eval_orders():
-  assert methods.get("pcsr").default_eval_order == "after"
-  assert {methods.get(n).default_eval_order for n in ("source", "tent", "sar")} == {"before"}
+  assert methods.get("pcsr-frozen").default_eval_order == "after"
+  assert {methods.get(n).default_eval_order for n in ("source", "tent", "sar", "pcsr")} == {"before"}
+
+
+def test_perturbed_eval_order_is_the_second_forward():
+  """'perturbed' reports SAM's second forward (DPAL): neither the first forward nor the one after the update."""
+  method = methods.get("pcsr", lr_fgn=0.05, lr_norm=0.05)
+  before = run(method, n=2, eval_order="before", fresh=True)[3]
+  pert = run(method, n=2, eval_order="perturbed", fresh=True)[3]
+  after = run(method, n=2, eval_order="after", fresh=True)[3]
+  for (_, b, mb), (_, p, mp), (_, a, _) in zip(before, pert, after):
+    assert "perturbed_logits" not in mp  # the engine takes it out of the metrics
+    np.testing.assert_allclose(mb["loss"], mp["loss"], rtol=1e-6)  # the same adaptation
+    assert np.abs(p - b).max() > 1e-4 and np.abs(p - a).max() > 1e-4
+  from pcsr_jax.errors import UserError
+
+  model, params = tiny_model()
+  with pytest.raises(UserError, match="--eval-order: expected before or after for tent"):
+    engine.Adapter(methods.get("tent"), model, params, batch_size=4, eval_order="perturbed")
 
 
 @pytest.mark.parametrize("name", ["tent", "sar", "pcsr"])

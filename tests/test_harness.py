@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+import float_checks
 import harness_fixtures as hf
 from pcsr_jax import checkpoint, harness, results
 from pcsr_jax.data import sources, streams, transforms
@@ -39,14 +40,19 @@ def cfg(world, out, **kw):
 
 
 def test_all_methods_normal_setting_outputs(world, tmp_path):
-  res = harness.run(cfg(world, tmp_path, methods=("source", "tent", "sar", "pcsr"), save_predictions=True),
-                    log=lambda *a: None)
-  assert len(res["records"]) == 8 and {r["num_samples"] for r in res["records"]} == {20}
+  res = harness.run(cfg(world, tmp_path, methods=("source", "tent", "sar", "pcsr", "pcsr-frozen"),
+                        save_predictions=True), log=lambda *a: None)
+  assert len(res["records"]) == 10 and {r["num_samples"] for r in res["records"]} == {20}
   for f in ("results.json", "results.csv", "table.md", "accuracy_per_corruption.png", "running_accuracy.png"):
     assert os.path.getsize(tmp_path / f) > 0, f
   data = json.loads((tmp_path / "results.json").read_text())
   assert data["complete"] and data["config"]["setting"] == "normal" and "jax" in data["versions"]
-  assert {r["eval_order"] for r in data["records"] if r["method"] == "pcsr"} == {"after"}
+  assert {r["eval_order"] for r in data["records"] if r["method"] == "pcsr"} == {"before"}
+  assert {r["eval_order"] for r in data["records"] if r["method"] == "pcsr-frozen"} == {"after"}
+  assert "| pcsr-frozen |" in res["table"] and "| pcsr |" in res["table"]  # variants are named apart
+  assert all(r["resets"] == 0 for r in data["records"] if r["method"] in ("source", "tent", "pcsr-frozen"))
+  assert all(isinstance(r["resets"], int) and 0 <= r["resets"] <= 3 for r in data["records"])  # 3 batches each
+  assert os.path.exists(tmp_path / "predictions" / "pcsr-frozen_fog_5_seed1.npz")
   assert not (tmp_path / "resume").exists()
   # Source accuracy equals a direct forward of the checkpoint on the preprocessed images.
   model, params, meta = checkpoint.load(str(world / "ckpt"))
@@ -54,11 +60,14 @@ def test_all_methods_normal_setting_outputs(world, tmp_path):
   for c in CORR:
     src = sources.imagenet_c_source(str(world / "data"), c, 5)
     x = np.stack([pre(src.load(i)) for i in range(len(src))])
-    acc = float(np.mean(np.asarray(jax.jit(model.apply)({"params": params}, x)).argmax(-1) == src.labels))
+    logits = np.asarray(jax.jit(model.apply)({"params": params}, x))  # one batch of 20, not the harness's 8s
     rec = next(r for r in res["records"] if r["method"] == "source" and r["corruption"] == c)
-    assert rec["accuracy"] == pytest.approx(acc)
+    float_checks.assert_accuracy_matches(rec["accuracy"], logits, np.asarray(src.labels))
     pred = np.load(tmp_path / "predictions" / f"source_{c}_5_seed1.npz")
     assert sorted(pred["file_names"].tolist()) == sorted(src.names) and len(pred["labels"]) == 20
+    order = [src.names.index(n) for n in pred["file_names"].tolist()]
+    np.testing.assert_array_equal(pred["labels"], np.asarray(src.labels)[order])
+    float_checks.assert_predictions_match(pred["predictions"], logits[order])
 
 
 @pytest.mark.parametrize("setting", streams.SETTINGS)

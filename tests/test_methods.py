@@ -54,8 +54,16 @@ def test_trainable_sets():
   sar_ad = engine.Adapter(sar, model, params, batch_size=B)
   assert flat_paths(sar_ad.init_state().trainable) == {f"blocks_0/{n}/{p}"
                                                       for n in ("norm1", "norm2") for p in ("scale", "bias")}
-  pcsr_ad = engine.Adapter(methods.get("pcsr"), model, params, batch_size=B)
-  assert {p.split("/")[0] for p in flat_paths(pcsr_ad.init_state().trainable)} == {f"recal_{i}" for i in range(TINY.depth)}
+  frozen_ad = engine.Adapter(methods.get("pcsr-frozen"), model, params, batch_size=B)
+  recals = {f"recal_{i}" for i in range(TINY.depth)}
+  assert {p.split("/")[0] for p in flat_paths(frozen_ad.init_state().trainable)} == recals
+  # The authors' recipe: SAR's LayerNorms (blocks 0-8; here skip block 1 as SAR's test above) + the modules.
+  pcsr_ad = engine.Adapter(methods.get("pcsr", skip_blocks=(1,)), model, params, batch_size=B)
+  paths = flat_paths(pcsr_ad.init_state().trainable)
+  assert {p for p in paths if not p.startswith("recal_")} == flat_paths(sar_ad.init_state().trainable)
+  assert {p.split("/")[0] for p in paths if p.startswith("recal_")} == recals
+  dct = engine.Adapter(methods.get("pcsr", config={"skip_blocks": [1]}), model, params, batch_size=B)
+  assert {p.split("/")[0] for p in flat_paths(dct.init_state().trainable) if p.startswith("recal_")} == {"recal_0"}
   assert engine.Adapter(methods.get("source"), model, params, batch_size=B).num_trainable == 0
 
 
@@ -69,7 +77,7 @@ def test_sar_default_skips_blocks_9_to_11_of_vit_base():
   assert configs.get_config("vit_base_patch16_224").depth == 12
 
 
-@pytest.mark.parametrize("name", ["tent", "sar", "pcsr"])
+@pytest.mark.parametrize("name", ["tent", "sar", "pcsr", "pcsr-frozen"])
 def test_only_intended_params_change_and_backbone_is_bit_identical(name):
   method = methods.get(name) if name != "tent" else methods.get(name)
   ad, state, params, _ = run(method)
@@ -91,8 +99,9 @@ def test_tent_loss_is_mean_entropy_of_whole_batch():
   np.testing.assert_allclose(m["loss"], np_entropy(logits.astype(np.float64)).mean(), rtol=1e-5)
 
 
-def test_pcsr_loss_is_reliable_entropy_plus_lambda_similarity():
-  method = methods.get("pcsr")
+@pytest.mark.parametrize("name", ["pcsr", "pcsr-frozen"])
+def test_pcsr_loss_is_reliable_entropy_plus_lambda_similarity(name):
+  method = methods.get(name)
   _, _, _, out = run(method, n=1, eval_order="before")
   x, logits, m = out[0]
   ent = np_entropy(logits.astype(np.float64))
@@ -134,15 +143,32 @@ def test_sar_ema_follows_official_recursion():
     assert not m["reset"]
 
 
-def test_sar_reset_fires_below_threshold_and_restores_source():
-  method = methods.get("sar", skip_blocks=(), reset_constant=100.0)  # any EMA < 100
-  ad, state, _, out = run(method, n=2)
+def _leaves(tree):
+  return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_sar_reset_restores_params_and_keeps_sams_inner_momentum():
+  """SAR's code: ``load_state_dict`` of the model and of the SAM wrapper; the inner SGD's momentum survives."""
+  never = run(methods.get("sar", skip_blocks=(), reset_constant=0.0), n=2)[1]
+  ad, state, _, out = run(methods.get("sar", skip_blocks=(), reset_constant=100.0), n=2)  # any EMA < 100
   assert all(bool(m["reset"]) for _, _, m in out) and int(state.resets) == 2
   src = ad.init_state()
-  for a, b in zip(jax.tree.leaves(state.trainable) + jax.tree.leaves(state.opt_state),
-                  jax.tree.leaves(src.trainable) + jax.tree.leaves(src.opt_state)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  for a, b in zip(_leaves(state.trainable), _leaves(src.trainable)):
+    np.testing.assert_array_equal(a, b)
+  # Momentum after a reset is what the update left: the first step's trace, then 0.9 * it + the second gradient
+  # at the source params -- equal to a run that never resets only in its first step; so compare the first step.
+  one = run(methods.get("sar", skip_blocks=(), reset_constant=100.0), n=1)[1]
+  one_never = run(methods.get("sar", skip_blocks=(), reset_constant=0.0), n=1)[1]
+  for a, b in zip(_leaves(one.opt_state), _leaves(one_never.opt_state)):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
+  assert any(np.abs(a).max() > 0 for a in _leaves(state.opt_state))
+  assert any(not np.allclose(a, b) for a, b in zip(_leaves(state.opt_state), _leaves(never.opt_state)))
   assert bool(state.ema_valid)  # SAR's code writes the pre-reset EMA back
+  # reset_optimizer="all": the optimizer state is cleared with the params (what we did before).
+  _, cleared_opt, _, _ = run(methods.get("sar", skip_blocks=(), reset_constant=100.0, reset_optimizer="all"), n=2)
+  for a, b in zip(_leaves(cleared_opt.opt_state) + _leaves(cleared_opt.trainable),
+                  _leaves(src.opt_state) + _leaves(src.trainable)):
+    np.testing.assert_array_equal(a, b)
   _, cleared, _, _ = run(methods.get("sar", skip_blocks=(), reset_constant=100.0,
                                      clear_ema_on_reset=True), n=1)
   assert not bool(cleared.ema_valid)
@@ -153,7 +179,7 @@ def test_sar_no_reset_above_threshold():
   assert int(state.resets) == 0
 
 
-@pytest.mark.parametrize("name", ["tent", "sar", "pcsr"])
+@pytest.mark.parametrize("name", ["tent", "sar", "pcsr", "pcsr-frozen"])
 def test_empty_mask_keeps_everything_finite(name):
   method = methods.get(name, margin_factor=0.0)  # E0 = 0: no sample is ever reliable
   ad, state, _, out = run(method, n=3)
@@ -189,8 +215,52 @@ def test_unknown_method():
     methods.get("eata")
 
 
-def test_pcsr_optional_reset_shares_sars_recovery():
-  ad, state, _, out = run(methods.get("pcsr", reset=True, reset_constant=100.0), n=2)
+def test_pcsr_frozen_optional_reset_shares_sars_recovery():
+  ad, state, _, out = run(methods.get("pcsr-frozen", reset=True, reset_constant=100.0), n=2)
   assert all(bool(m["reset"]) for _, _, m in out) and int(state.resets) == 2
-  for a, b in zip(jax.tree.leaves(state.trainable), jax.tree.leaves(ad.init_state().trainable)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  for a, b in zip(_leaves(state.trainable) + _leaves(state.opt_state),  # plain SGD: load_state_dict restores it
+                  _leaves(ad.init_state().trainable) + _leaves(ad.init_state().opt_state)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_pcsr_reset_restores_modules_and_dsn_sgd_keeps_sam_momentum():
+  ad, state, _, out = run(methods.get("pcsr", skip_blocks=(), reset_constant=100.0), n=2)
+  assert all(bool(m["reset"]) for _, _, m in out) and int(state.resets) == 2
+  src = ad.init_state()
+  for a, b in zip(_leaves(state.trainable), _leaves(src.trainable)):  # LayerNorms, DSN and FGN
+    np.testing.assert_array_equal(a, b)
+  for a, b in zip(_leaves(state.opt_state["sgd"]), _leaves(src.opt_state["sgd"])):  # DSN's plain SGD: restored
+    np.testing.assert_array_equal(a, b)
+  assert any(np.abs(a).max() > 0 for a in _leaves(state.opt_state["sam"]))  # SAM's inner SGD: kept
+  _, cleared, _, _ = run(methods.get("pcsr", skip_blocks=(), reset_constant=100.0, reset_optimizer="all"), n=2)
+  for a, b in zip(_leaves(cleared.opt_state), _leaves(src.opt_state)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_pcsr_step_order_dsn_sgd_then_sam():
+  """DPAL's order: the DSN's SGD steps on the first-pass loss; SAM's params step on the second-pass gradient."""
+  method = methods.get("pcsr", skip_blocks=(), reset_constant=0.0, lr_dsn=0.5, lr_fgn=0.05, lr_norm=0.05)
+  ad, state, _, out = run(method, n=1)
+  src = traverse_util.flatten_dict(ad.init_state().trainable)
+  new = traverse_util.flatten_dict(state.trainable)
+  moved = {k[-2] if k[0].startswith("recal_") else "norm" for k in src if not np.array_equal(src[k], new[k])}
+  assert moved == {"dsn", "fgn", "norm"}
+  model, frozen = ad.prep.model, ad.frozen
+  x = out[0][0]
+  margin = method.margin(TINY.num_classes)
+  g1 = jax.grad(lambda t: method._loss(ad.prep, frozen, t, x, jnp.ones(B, bool), margin)[0])(ad.init_state().trainable)
+  for k, v in traverse_util.flatten_dict(g1).items():
+    if k[0].startswith("recal_") and k[-2] == "dsn":  # momentum 0 at step 1: p - lr * g
+      np.testing.assert_allclose(new[k], src[k] - 0.5 * np.asarray(v), rtol=1e-5, atol=1e-7)
+  assert out[0][2]["num_reliable2"] <= out[0][2]["num_reliable"]
+
+
+def test_pcsr_variants_in_registry():
+  assert methods.get("pcsr").recipe == "sar" and methods.get("pcsr-frozen").recipe == "frozen"
+  assert methods.get("pcsr-frozen", lr_dsn=0.1).lr_dsn == 0.1
+  from pcsr_jax.errors import UserError
+
+  with pytest.raises(UserError, match="recipe"):
+    methods.get("pcsr", recipe="text")
+  with pytest.raises(UserError, match="reset_optimizer"):
+    methods.get("sar", reset_optimizer="some")

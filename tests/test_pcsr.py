@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pcsr_jax import pcsr
+from pcsr_jax.models import pcsr
 from pcsr_jax.errors import UserError
 from pcsr_jax.models import init_params
 from tiny import TINY, batches, tiny_model

@@ -1,4 +1,4 @@
-"""SAR (Niu et al., ICLR 2023), as in its official code.
+"""SAR (Niu et al., ICLR 2023), as in its official code (``sar.py``, ``sam.py``, ``main.py``).
 
 * Adapted: weight and bias of norm1 and norm2 in every block except blocks 9,
   10 and 11 (the code skips modules whose name contains 'blocks.9',
@@ -10,12 +10,18 @@
   perturbed weights, keep the first mask's samples, mask again ``ent2 < E0`` ->
   mean -> grad -> restore the weights and take the SGD step with that gradient.
 * Recovery: ``ema = 0.9 * ema + 0.1 * loss2`` (the first value initializes it;
-  batches with an empty second mask leave it alone); if ``ema < 0.2`` the
-  adapted params and the optimizer state are restored to their initial values.
-  In the official code the caller then writes the pre-reset EMA back
-  (``self.reset(); self.ema = ema``), so the EMA is *not* cleared;
-  ``clear_ema_on_reset=True`` gives the paper's description instead.
-* The reported prediction is the first forward's (before the update).
+  batches with an empty second mask leave it alone); if ``ema < 0.2`` the code
+  calls ``model.load_state_dict`` and ``optimizer.load_state_dict`` with the
+  copies taken at construction. That restores the adapted params, but *not*
+  the SGD momentum: ``SAM`` keeps the momentum buffers in its inner
+  ``base_optimizer``, and SAM's own ``state_dict`` (the one saved and loaded)
+  holds only its ``old_p`` copies. So the momentum survives every reset
+  (``reset_optimizer='official'``); ``'all'`` clears it too. The caller then
+  writes the pre-reset EMA back (``self.reset(); self.ema = ema``), so the EMA
+  is *not* cleared either; ``clear_ema_on_reset=True`` gives the paper's
+  description instead.
+* The reported prediction is the first forward's (before the update);
+  ``eval_order='perturbed'`` reports the second forward's.
 
 An empty mask gives a zero gradient (PyTorch: NaN loss, zero grads); the SGD
 step still runs, so momentum moves the params as it does in PyTorch.
@@ -30,13 +36,15 @@ import jax
 import jax.numpy as jnp
 
 from pcsr_jax import losses
-from pcsr_jax.methods.base import Method, Prepared, is_layernorm_param, recover, sgd
-from pcsr_jax.methods.tent import sar_code_lr
+from pcsr_jax.errors import UserError
+from pcsr_jax.methods.base import (RESET_OPTIMIZER, Method, Prepared, is_layernorm_param, recover, sam_perturb,
+                                   sar_code_lr, sgd)
 
 
 @dataclasses.dataclass(frozen=True)
 class SAR(Method):
   name: ClassVar[str] = "sar"
+  eval_orders: ClassVar[tuple[str, ...]] = ("before", "after", "perturbed")
   lr: Optional[float] = None  # None: 0.001 * B / 64, doubled at B = 1
   momentum: float = 0.9
   rho: float = 0.05
@@ -44,6 +52,12 @@ class SAR(Method):
   ema_decay: float = 0.9
   skip_blocks: tuple[int, ...] = (9, 10, 11)
   clear_ema_on_reset: bool = False
+  reset_optimizer: str = "official"  # "official": SAM's inner momentum survives a reset; "all": cleared too
+
+  def __post_init__(self):
+    if self.reset_optimizer not in RESET_OPTIMIZER:
+      raise UserError(f"sar reset_optimizer: expected one of {', '.join(RESET_OPTIMIZER)}, "
+                      f"got '{self.reset_optimizer}'")
 
   def trainable(self, path) -> bool:
     if not is_layernorm_param(path) or path[0] == "norm":
@@ -64,22 +78,21 @@ class SAR(Method):
       return losses.masked_mean(ent, mask1), (logits, mask1)
 
     (loss1, (logits, mask1)), g1 = jax.value_and_grad(first, has_aux=True)(state.trainable)
-    grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(g1)))  # global L2 norm
-    scale = self.rho / (grad_norm + 1e-12)
-    perturbed = jax.tree.map(lambda p, g: p + g * scale, state.trainable, g1)
+    perturbed = sam_perturb(state.trainable, g1, self.rho)
 
     def second(trainable):
       logits2, _ = self.forward(prep, frozen, trainable, images)
       ent2 = losses.entropy(logits2)
       mask2 = losses.reliable_mask(ent2, margin, mask1)  # re-filter among the first pass's samples
-      return losses.masked_mean(ent2, mask2), mask2
+      return losses.masked_mean(ent2, mask2), (logits2, mask2)
 
-    (loss2, mask2), g2 = jax.value_and_grad(second, has_aux=True)(perturbed)
+    (loss2, (logits2, mask2)), g2 = jax.value_and_grad(second, has_aux=True)(perturbed)
     new = self.apply_gradients(prep, state, g2)  # SGD step at the original (unperturbed) params
 
     # PyTorch: loss_second is NaN (and the EMA not updated) iff the second mask is empty.
     state, reset = recover(state, new.replace(step=state.step + 1), loss2, jnp.any(mask2), self.ema_decay,
-                           self.reset_constant, self.clear_ema_on_reset)
+                           self.reset_constant, self.clear_ema_on_reset,
+                           opt_on_reset=new.opt_state if self.reset_optimizer == "official" else None)
     metrics = {"loss": loss1, "loss2": loss2, "num_reliable": jnp.sum(mask1), "num_reliable2": jnp.sum(mask2),
-               "ema": state.ema, "reset": reset}
+               "ema": state.ema, "reset": reset, "perturbed_logits": logits2}
     return state, logits, metrics

@@ -13,12 +13,7 @@ from typing import ClassVar, Optional
 import jax
 
 from pcsr_jax import losses
-from pcsr_jax.methods.base import Method, Prepared, is_layernorm_param, sgd
-
-
-def sar_code_lr(batch_size: int) -> float:
-  """SAR's learning rate for timm ViTs: 0.001 * B / 64."""
-  return 0.001 * batch_size / 64
+from pcsr_jax.methods.base import Method, Prepared, is_layernorm_param, sar_code_lr, sgd
 
 
 @dataclasses.dataclass(frozen=True)

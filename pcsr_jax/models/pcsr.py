@@ -65,6 +65,7 @@ class PCSRConfig:
   aggregation: str = "avg"  # Table 4: avg / max / attention pooling of the DSN outputs
   qkv_factors: str = "shared"  # Table 5: one (gamma, beta) for Q, K and V, or "independent" per Q, K, V
   shared_across_layers: bool = False  # one DSN+FGN pair for all layers instead of one per layer
+  skip_blocks: tuple[int, ...] = ()  # blocks without recalibration: () the paper's "each layer"; DCT's (9, 10, 11)
   dsn_input: str = "norm1"  # "norm1" (after the block's first LayerNorm) or "block_input"
   combine: str = "sum"  # how D_l and C_l enter the FGN: "sum", "mean" or "concat" (2d->2d Linear)
   fgn_init: str = "zero"  # "zero" (identity at step 0) or "default" (PyTorch Linear init)
@@ -90,6 +91,9 @@ class PCSRConfig:
     unknown = sorted(set(d) - {f.name for f in dataclasses.fields(PCSRConfig)})
     if unknown:
       raise UserError(f"pcsr config: unknown fields {unknown}")
+    d = dict(d)
+    if "skip_blocks" in d:  # a JSON list
+      d["skip_blocks"] = tuple(d["skip_blocks"])
     return PCSRConfig(**d)
 
 
@@ -162,4 +166,5 @@ def num_params(config: PCSRConfig, embed_dim: int, depth: int) -> int:
   per = (fan_in + 1) * 2 * s * d
   if config.uses_dsn:
     per += d * d + d + (d if config.aggregation == "attention" else 0)
-  return per * (1 if config.shared_across_layers else depth)
+  layers = sum(i not in config.skip_blocks for i in range(depth))
+  return per * (1 if config.shared_across_layers else layers)

@@ -43,6 +43,7 @@ class Recalibration(Protocol):
   """
 
   shared_across_layers: bool
+  skip_blocks: tuple[int, ...]  # blocks left without a recalibrator
 
   def make(self) -> nn.Module:
     ...
@@ -139,10 +140,12 @@ class VisionTransformer(nn.Module):
     self.pos_embed = self.param("pos_embed", nn.initializers.normal(0.02), (1, c.num_patches + 1, c.embed_dim))
     recals: Sequence[Optional[nn.Module]] = [None] * c.depth
     if self.recalibration is not None:
-      n = 1 if self.recalibration.shared_across_layers else c.depth
-      # Top-level children (``recal_0`` ...), so the backbone tree stays exactly timm's.
+      layers = [i for i in range(c.depth) if i not in self.recalibration.skip_blocks]
+      n = 1 if self.recalibration.shared_across_layers else len(layers)
+      # Top-level children (``recal_0`` ...: the j-th recalibrated block's), so the backbone tree stays timm's.
       self.recal = [self.recalibration.make() for _ in range(n)]
-      recals = [self.recal[i % n] for i in range(c.depth)]
+      for j, i in enumerate(layers):
+        recals[i] = self.recal[j % n]
     self.blocks = [Block(c.embed_dim, c.num_heads, c.mlp_dim, recalibrator=recals[i]) for i in range(c.depth)]
     self.norm = nn.LayerNorm(epsilon=LN_EPS)
     if c.num_classes > 0:
