@@ -4,7 +4,7 @@
 
 SRC: a ``.safetensors``, ``.pth``/``.pt``/``.bin`` (needs torch), Google AugReg
 / big_vision ``.npz`` file, or ``timm:<model_name>[.<tag>]`` (timm's pretrained
-weights; needs torch, timm and network access). See ``pcsr_jax/convert.py``.
+weights; needs torch, timm and network access). See ``pcsr_jax/weights/``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from pcsr_jax import conversion
+from pcsr_jax import weights
 from pcsr_jax.errors import ArgumentParser, run_cli
 
 
@@ -34,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
   p.add_argument("--verify", action="store_true", help="compare logits with timm on a random batch (needs torch+timm)")
   a = p.parse_args(argv)
-  result = conversion.convert_checkpoint(a.src, a.out, arch=a.arch, num_classes=a.num_classes, force=a.force,
+  result = weights.convert_checkpoint(a.src, a.out, arch=a.arch, num_classes=a.num_classes, force=a.force,
                                          verify=a.verify, mean=a.mean, std=a.std, interpolation=a.interpolation,
                                          crop_pct=a.crop_pct)
   meta = result["meta"]

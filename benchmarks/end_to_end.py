@@ -29,7 +29,7 @@ def make_checkpoint(arch: str, path: str) -> str:
   try:
     from safetensors.torch import save_file
 
-    from pcsr_jax import conversion, timm_parity
+    from pcsr_jax import timm_parity, weights
     from pcsr_jax.models import get_config
   except ImportError:
     import harness_fixtures
@@ -41,7 +41,7 @@ def make_checkpoint(arch: str, path: str) -> str:
   timm_parity.randomize_(model)
   src = path + ".safetensors"
   save_file(model.state_dict(), src)
-  return conversion.convert_checkpoint(src, path)["out"]
+  return weights.convert_checkpoint(src, path)["out"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,37 +1,12 @@
 """The paper's label-shift (L.S.) and mixed-shift (M.S.) table on ImageNet-C, severity 5.
 
-    python experiments/wild.py --data /data/imagenet-c --checkpoint ckpt/vit_b16 --output runs/wild
-
-L.S.: per corruption, SAR's class-phase stream (imbalance ratio 500000 unless
-``--imbalance-ratio``; or SAR's published index files with ``--label-shift-indices``).
-M.S.: all 15 corruptions shuffled into one stream, one model.
+The code lives in `pcsr_jax/experiments/wild.py`; this file is its command.
 """
 
-from __future__ import annotations
-
-import os
 import sys
-from typing import Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import common  # noqa: E402
-from pcsr_jax.errors import run_cli  # noqa: E402
-
-PRESETS = {"wild": dict(severity=5, batch_size=64, seeds=(2022, 2023, 2024))}
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-  p = common.parser("wild.py", __doc__.split("\n\n")[0], PRESETS)
-  a = p.parse_args(argv)
-  a.preset = a.preset or "wild"
-  base = common.config_from_args(a, PRESETS)
-  if not a.output:
-    base.output = os.path.join("runs", "wild")
-  common.run_many(base, {"label_shifts": dict(setting="label_shifts"), "mix_shifts": dict(setting="mix_shifts")},
-                  "setting")
-  return 0
-
+from pcsr_jax.errors import run_cli
+from pcsr_jax.experiments.wild import main
 
 if __name__ == "__main__":
   run_cli(main, sys.argv[1:])

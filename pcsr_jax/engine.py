@@ -50,11 +50,11 @@ class Adapter:
   def __init__(self, method: Method, model, params: Any, *, batch_size: int, eval_order: Optional[str] = None,
                mesh: Optional[Mesh] = None, seed: int = 0):
     if batch_size < 1:
-      raise UserError(f"--batch-size: expected a positive integer, got {batch_size}")
+      raise UserError(f"batch_size: expected a positive integer, got {batch_size}")
     self.method = method
     self.eval_order = eval_order or method.default_eval_order
     if self.eval_order not in method.eval_orders:
-      raise UserError(f"--eval-order: expected {' or '.join(method.eval_orders)} for {method.name}, "
+      raise UserError(f"eval_order: expected {' or '.join(method.eval_orders)} for {method.name}, "
                       f"got '{self.eval_order}'")
     self.batch_size = batch_size
     self.mesh = mesh if mesh is not None else data_mesh()

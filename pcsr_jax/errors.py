@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
-from typing import Callable, NoReturn, Sequence
+from typing import Callable, Iterable, NoReturn, Sequence
 
 
 class UserError(Exception):
   """Bad input from the user (a file, key, flag or value). Printed as one line."""
+
+
+def check_fields(cls: type, given: Iterable[str], what: str, noun: str = "unknown fields") -> None:
+  """One-line error if ``given`` (a config dict's keys) names anything that is not a field of dataclass ``cls``."""
+  unknown = sorted(set(given) - {f.name for f in dataclasses.fields(cls)})
+  if unknown:
+    raise UserError(f"{what}: {noun} {unknown}")
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -23,18 +23,18 @@ from typing import Any, Optional
 import numpy as np
 
 from pcsr_jax import checkpoint, engine, methods, results
-from pcsr_jax.data import imagenet, sources, streams, transforms
+from pcsr_jax.data import datasets, imagenet, sources, streams
 from pcsr_jax.data.loader import Loader, decode_throughput
 from pcsr_jax.errors import UserError
 
-DATASETS = ("imagenet_c", "imagenet_r", "imagenet_a", "visda", "folder", "fmnist_c")
+DATASETS = datasets.NAMES
 
 
 @dataclasses.dataclass
 class RunConfig:
   """Everything a run depends on (stored in results.json)."""
 
-  data: str  # a directory, or "tfds" for imagenet2012_corrupted
+  data: str  # a directory; "tfds" for imagenet2012_corrupted; ignored by the built-in fmnist_c
   checkpoint: str
   output: str
   methods: tuple[str, ...] = ("source", "tent", "sar", "pcsr")
@@ -54,7 +54,7 @@ class RunConfig:
   imbalance_ratio: float = 500000.0
   label_shift_indices: Optional[str] = None
   tfds_data_dir: Optional[str] = None
-  image_list: str = "image_list.txt"  # visda: the list file under --data
+  image_list: Optional[str] = None  # visda: the list under --data (None: the official validation list)
   method_args: dict = dataclasses.field(default_factory=dict)  # e.g. {"pcsr": {"lr_dsn": 0.05}}
   progress: bool = True
   # fmnist_c (the built-in benchmark): the first N test images of each corruption, and where they live.
@@ -69,32 +69,27 @@ class RunConfig:
         raise UserError(f"--methods: unknown method '{m}': expected some of {', '.join(methods.REGISTRY)}")
     if self.setting not in streams.SETTINGS:
       raise UserError(f"--setting: unknown setting '{self.setting}': expected one of {', '.join(streams.SETTINGS)}")
-    if self.dataset not in DATASETS:
-      raise UserError(f"--dataset: unknown dataset '{self.dataset}': expected one of {', '.join(DATASETS)}")
-    if self.dataset == "imagenet_c":
-      for c in self.corruptions:
-        if c not in imagenet.CORRUPTIONS + imagenet.HELDOUT_CORRUPTIONS:
-          raise UserError(f"--corruptions: unknown corruption '{c}'")
-    if self.dataset == "fmnist_c":
-      from pcsr_jax.data import corruptions, fmnist_c
-
-      for c in self.corruptions:
-        if c not in corruptions.ALL + (fmnist_c.CLEAN,):
-          raise UserError(f"--corruptions: unknown corruption '{c}': expected some of {', '.join(corruptions.ALL)}"
-                          f" or clean")
-      if self.images_per_corruption is not None and not 1 <= self.images_per_corruption <= 10000:
-        raise UserError(f"--images: expected 1 to 10000, got {self.images_per_corruption}")
-    if self.dataset in ("imagenet_c", "fmnist_c") and not 1 <= self.severity <= 5:
-      raise UserError(f"--severity: expected 1 to 5, got {self.severity}")
+    spec = datasets.get(self.dataset)
+    if spec.has_severity:
+      spec.check_corruptions(self.corruptions)
+      if not 1 <= self.severity <= 5:
+        raise UserError(f"--severity: expected 1 to 5, got {self.severity}")
+    if self.dataset == "fmnist_c" and self.images_per_corruption is not None and \
+        not 1 <= self.images_per_corruption <= 10000:
+      raise UserError(f"--images: expected 1 to 10000, got {self.images_per_corruption}")
     if self.eval_order not in (None,) + engine.EVAL_ORDERS:
       raise UserError(f"--eval-order: expected one of {', '.join(engine.EVAL_ORDERS)}, got '{self.eval_order}'")
+    unknown = sorted(set(self.method_args) - set(methods.REGISTRY))
+    if unknown:
+      raise UserError(f"method arguments for unknown methods {unknown}")
+    for m in self.methods:  # e.g. "perturbed" needs a method with a second (SAM) forward
+      orders = methods.get(m, **self.method_args.get(m, {})).eval_orders
+      if self.eval_order is not None and self.eval_order not in orders:
+        raise UserError(f"--eval-order {self.eval_order}: not available for {m} (it has {', '.join(orders)})")
     if self.batch_size < 1 or (self.limit is not None and self.limit < 1) or self.checkpoint_every < 1:
       raise UserError("--batch-size, --limit and --checkpoint-every must be positive")
     if self.setting == "bs1" and self.batch_size != 1:
       self.batch_size = 1  # the bs1 setting *is* batch size 1
-    unknown = sorted(set(self.method_args) - set(methods.REGISTRY))
-    if unknown:
-      raise UserError(f"method arguments for unknown methods {unknown}")
 
 
 def versions() -> dict[str, str]:
@@ -106,26 +101,6 @@ def versions() -> dict[str, str]:
 
   return dict(pcsr_jax=pcsr_jax.__version__, jax=jax.__version__, flax=flax.__version__, optax=optax.__version__,
               numpy=np.__version__, python=sys.version.split()[0], devices=str(jax.devices()))
-
-
-def open_domains(cfg: RunConfig, log=print):
-  """[(domain name, source)]: one per corruption for ImageNet-C and Fashion-MNIST-C, one for the others."""
-  if cfg.dataset == "fmnist_c":
-    from pcsr_jax.data import fmnist_c
-
-    return fmnist_c.sources(cfg.corruptions, cfg.severity, cfg.images_per_corruption or 10000, cfg.fmnist_dir,
-                            cfg.cache_dir, cfg.corruption_seed, progress=cfg.progress, log=log)
-  if cfg.dataset == "imagenet_c":
-    if cfg.data == "tfds":
-      return [(c, sources.TFDSSource(c, cfg.severity, cfg.tfds_data_dir)) for c in cfg.corruptions]
-    return [(c, sources.imagenet_c_source(cfg.data, c, cfg.severity)) for c in cfg.corruptions]
-  if not os.path.isdir(cfg.data):
-    raise UserError(f"{cfg.data}: data dir not found")
-  if not os.listdir(cfg.data):
-    raise UserError(f"{cfg.data}: data dir is empty")
-  if cfg.dataset == "visda":
-    return [("visda", sources.ImageListSource(cfg.data, cfg.image_list))]
-  return [(cfg.dataset, sources.FolderSource(cfg.data))]
 
 
 class _Stop:
@@ -153,57 +128,181 @@ class Resume:
     self.dir = os.path.join(os.path.abspath(out_dir), "resume")  # orbax needs absolute paths
     self.path = os.path.join(self.dir, "progress.json")
 
-  def load(self) -> Optional[dict]:
+  def load(self) -> Optional[RunProgress]:
     if not os.path.isfile(self.path):
       return None
     with open(self.path) as f:
-      return json.load(f)
+      return RunProgress.from_json(json.load(f))
 
-  def save(self, progress: dict, host_state: Any = None) -> None:
+  def save(self, progress: RunProgress, host_state: Any = None) -> None:
+    """Writes the progress (and the adaptation state, if given) so that a crash at any point leaves a
+    consistent pair: the state goes to a new directory, then the JSON naming it replaces the old one."""
     import orbax.checkpoint as ocp
 
     os.makedirs(self.dir, exist_ok=True)
-    progress = dict(progress)
     if host_state is not None:
       name = f"state_{int(time.time() * 1e6)}"
       with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ck:
         ck.save(os.path.join(self.dir, name), args=ocp.args.StandardSave(host_state))
-      progress["state_dir"] = name
+      progress.state_dir = name
+    elif progress.unit is None:
+      progress.state_dir = None
     tmp = self.path + ".tmp"
     with open(tmp, "w") as f:
-      json.dump(progress, f)
+      json.dump(progress.to_json(), f)
     os.replace(tmp, self.path)  # the switch to the new state is atomic
-    keep = progress.get("state_dir")
     for d in os.listdir(self.dir):
-      if d.startswith("state_") and d != keep:
+      if d.startswith("state_") and d != progress.state_dir:
         shutil.rmtree(os.path.join(self.dir, d), ignore_errors=True)
 
-  def restore_state(self, progress: dict, template: Any) -> Any:
+  def restore_state(self, progress: RunProgress, template: Any) -> Any:
     import orbax.checkpoint as ocp
 
     with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ck:
-      return ck.restore(os.path.join(self.dir, progress["state_dir"]), args=ocp.args.StandardRestore(template))
+      return ck.restore(os.path.join(self.dir, progress.state_dir), args=ocp.args.StandardRestore(template))
 
   def clear(self) -> None:
     shutil.rmtree(self.dir, ignore_errors=True)
 
 
+@dataclasses.dataclass
+class UnitProgress:
+  """Where one (method, seed) run stands: stream position and partial counts; saved in progress.json.
+
+  ``counts`` and ``preds`` hold the open segment's per-domain tallies until `take_domain` closes them;
+  ``seen``/``correct`` and ``total_seconds`` run over the whole unit.
+  """
+
+  key: str
+  segment: int = 0  # the segment being streamed
+  batch: int = 0  # the next batch of it
+  seen: int = 0  # images scored in this unit
+  correct: int = 0
+  skipped: int = 0  # unreadable images of the open segment
+  seconds: float = 0.0  # step time of the open segment
+  total_seconds: float = 0.0  # step time of the closed segments
+  counts: dict = dataclasses.field(default_factory=dict)  # domain -> [correct, total, correct known, known]
+  preds: dict = dataclasses.field(default_factory=dict)  # domain -> [file names, labels, predictions]
+
+  def account(self, preds: Any, batch, names: list[str], relabel: Optional[np.ndarray], num_classes: int,
+              curve: dict) -> None:
+    """Scores one batch's predictions (read from the device here, a step after they were dispatched)."""
+    n = len(batch.labels)
+    p = np.asarray(preds)[:n]
+    labels = batch.labels if relabel is None else relabel[batch.labels]
+    hit = p == labels
+    known = labels < num_classes  # VisDA-2021's label 1000: a sample of no known class, always wrong
+    for tag in np.unique(batch.tags):
+      m = batch.tags == tag
+      c = self.counts.setdefault(names[tag], [0, 0, 0, 0])
+      c[0] += int(hit[m].sum())
+      c[1] += int(m.sum())
+      c[2] += int((hit & known)[m].sum())
+      c[3] += int(known[m].sum())
+      pr = self.preds.setdefault(names[tag], [[], [], []])
+      pr[0] += [batch.names[i] for i in np.flatnonzero(m)]
+      pr[1] += labels[m].tolist()
+      pr[2] += p[m].tolist()
+    self.seen += n
+    self.correct += int(hit.sum())
+    curve["seen"].append(self.seen)
+    curve["accuracy"].append(self.correct / self.seen)
+
+  def add_time(self, seconds: float) -> None:
+    self.seconds += seconds
+
+  def take_domain(self, tag: str) -> tuple[Optional[list], Optional[list]]:
+    """Removes and returns a domain's ``(counts, preds)`` of the open segment (None if it had no image)."""
+    return self.counts.pop(tag, None), self.preds.pop(tag, None)
+
+  def close_segment(self) -> None:
+    self.total_seconds += self.seconds
+    self.seconds, self.skipped = 0.0, 0
+    self.segment, self.batch = self.segment + 1, 0
+
+  @property
+  def images_per_s(self) -> float:
+    return self.seen / max(self.total_seconds, 1e-9)
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @staticmethod
+  def from_json(d: dict) -> "UnitProgress":
+    return UnitProgress(**{f.name: d[f.name] for f in dataclasses.fields(UnitProgress) if f.name in d})
+
+
+@dataclasses.dataclass
+class RunProgress:
+  """Everything a run has produced so far (progress.json): finished records, curves, the open unit."""
+
+  config_key: str
+  records: list = dataclasses.field(default_factory=list)
+  curves: dict = dataclasses.field(default_factory=dict)
+  skipped: list = dataclasses.field(default_factory=list)
+  done: list = dataclasses.field(default_factory=list)
+  unit: Optional[UnitProgress] = None
+  throughput: dict = dataclasses.field(default_factory=dict)
+  state_dir: Optional[str] = None
+
+  def to_json(self) -> dict:
+    return dict(dataclasses.asdict(self), unit=self.unit.to_json() if self.unit else None)
+
+  @staticmethod
+  def from_json(d: dict) -> "RunProgress":
+    fields = {f.name for f in dataclasses.fields(RunProgress)}
+    prog = RunProgress(**{k: v for k, v in d.items() if k in fields})
+    prog.unit = UnitProgress.from_json(d["unit"]) if d.get("unit") else None
+    return prog
+
+
+@dataclasses.dataclass
+class _Setup:
+  """What every unit of a run shares: the model, the data, the loader, the progress on disk."""
+
+  cfg: RunConfig
+  spec: datasets.DatasetSpec
+  model: Any
+  params: Any
+  num_classes: int
+  names: list[str]
+  srcs: list
+  relabel: Optional[np.ndarray]
+  loader: Any
+  resume: "Resume"
+  progress: RunProgress
+  config_json: dict
+  decode_ips: float
+
+
 def run(cfg: RunConfig, log=print) -> dict:
   """Runs the experiment; returns ``{'records', 'curves', 'skipped', ...}`` and writes the outputs."""
+  setup = _setup(cfg, log)
+  with _Stop() as stop:
+    for seed in cfg.seeds:
+      if not _run_seed(setup, seed, stop, log):
+        log(f"interrupted: progress saved to {setup.resume.path}; rerun with --resume to continue")
+        raise SystemExit(130)
+  return _write_outputs(setup, log)
+
+
+def _setup(cfg: RunConfig, log) -> _Setup:
+  """Validates the config, loads the checkpoint and the data, and loads or starts the progress."""
   cfg.validate()
+  spec = datasets.get(cfg.dataset)
   model, params, meta = checkpoint.load(cfg.checkpoint)
-  domains = open_domains(cfg, log)
-  subset = imagenet.class_subset(cfg.dataset) if cfg.dataset in ("imagenet_r", "imagenet_a") else None
+  domains = spec.open(cfg, log)
+  subset = spec.class_subset()
   for name, src in domains:
-    sources.check_classes(src, meta["num_classes"], subset,
-                          f"{cfg.data}/{name}" if cfg.data not in ("tfds", "builtin") else name)
+    sources.check_classes(src, meta["num_classes"], subset, spec.where(cfg, name))
   relabel = None  # ImageNet-R/-A: labels become positions in the 200-class subset of the logits
+  num_classes = meta["num_classes"]
   if subset is not None:
     model = model.clone(class_subset=tuple(int(c) for c in subset))
     relabel = np.full(meta["num_classes"], -1, np.int64)
     relabel[subset] = np.arange(len(subset))
-  preprocess = transforms.imagenet_c_preprocess(meta) if cfg.dataset == "imagenet_c" else \
-      transforms.Preprocess.from_meta(meta)
+    num_classes = len(subset)
+  preprocess = spec.preprocess(meta)
   srcs = [s for _, s in domains]
   names = [n for n, _ in domains]
   decode_ips = decode_throughput(srcs, preprocess, n=min(256, len(srcs[0])), workers=cfg.workers)
@@ -213,8 +312,9 @@ def run(cfg: RunConfig, log=print) -> dict:
   os.makedirs(cfg.output, exist_ok=True)
   resume = Resume(cfg.output)
   config_json = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+  key = _config_key(config_json)
   progress = resume.load() if cfg.resume else None
-  if progress is not None and progress.get("config_key") != _config_key(config_json):
+  if progress is not None and progress.config_key != key:
     raise UserError(f"{resume.path}: saved progress is from a different configuration; drop --resume or "
                     f"use another --output")
   if progress is None:
@@ -222,52 +322,60 @@ def run(cfg: RunConfig, log=print) -> dict:
     for name in ("results.json", "results.csv", "table.md"):  # never leave a stale "complete" result behind
       if os.path.exists(os.path.join(cfg.output, name)):
         os.remove(os.path.join(cfg.output, name))
-    progress = dict(config_key=_config_key(config_json), records=[], curves={}, skipped=[], done=[],
-                    unit=None, throughput={})
-  elif progress["unit"] or progress["done"]:
-    log(f"resuming from {resume.path}: {len(progress['done'])} runs done" +
-        (f", {progress['unit']['key']} at segment {progress['unit']['segment']} batch {progress['unit']['batch']}"
-         if progress["unit"] else ""))
-
+    progress = RunProgress(config_key=key)
+  elif progress.unit or progress.done:
+    u = progress.unit
+    log(f"resuming from {resume.path}: {len(progress.done)} runs done" +
+        (f", {u.key} at segment {u.segment} batch {u.batch}" if u else ""))
   loader = Loader(srcs, preprocess, cfg.batch_size, workers=cfg.workers)
-  labels_per_domain = [s.labels for s in srcs]
-  with _Stop() as stop:
-    for seed in cfg.seeds:
-      segments = streams.build(cfg.setting, [len(s) for s in srcs], labels_per_domain, names, seed,
-                               shuffle=cfg.shuffle, imbalance_ratio=cfg.imbalance_ratio,
-                               index_file=cfg.label_shift_indices)
-      if cfg.limit:
-        segments = [dataclasses.replace(s, source_ids=s.source_ids[:cfg.limit], indices=s.indices[:cfg.limit])
-                    for s in segments]
-      for method_name in cfg.methods:
-        key = f"{method_name}/seed{seed}"
-        if key in progress["done"]:
-          continue
-        method = methods.get(method_name, **cfg.method_args.get(method_name, {}))
-        adapter = engine.Adapter(method, model, params, batch_size=cfg.batch_size, eval_order=cfg.eval_order,
-                                 seed=seed)
-        completed = _run_unit(cfg, key, method_name, seed, adapter, segments, names, loader, progress, resume,
-                              stop, relabel, log)
-        if not completed:
-          log(f"interrupted: progress saved to {resume.path}; rerun with --resume to continue")
-          raise SystemExit(130)
-  records = progress["records"]
-  cols = names
-  tbl = results.table(records, cols, cfg.methods)
-  extra = dict(versions=versions(), skipped=progress["skipped"], decode_images_per_s=decode_ips,
-               throughput=progress["throughput"], curves=progress["curves"])
-  results.write_json(os.path.join(cfg.output, "results.json"), records, config_json, extra)
+  return _Setup(cfg, spec, model, params, num_classes, names, srcs, relabel, loader, resume, progress,
+                config_json, decode_ips)
+
+
+def _run_seed(setup: _Setup, seed: int, stop: "_Stop", log) -> bool:
+  """Every method over the seed's stream; False when interrupted (progress saved)."""
+  cfg = setup.cfg
+  segments = streams.build(cfg.setting, [len(s) for s in setup.srcs], [s.labels for s in setup.srcs],
+                           setup.names, seed, shuffle=cfg.shuffle, imbalance_ratio=cfg.imbalance_ratio,
+                           index_file=cfg.label_shift_indices)
+  if cfg.limit:
+    segments = [dataclasses.replace(s, source_ids=s.source_ids[:cfg.limit], indices=s.indices[:cfg.limit])
+                for s in segments]
+  for method_name in cfg.methods:
+    key = f"{method_name}/seed{seed}"
+    if key in setup.progress.done:
+      continue
+    method = methods.get(method_name, **cfg.method_args.get(method_name, {}))
+    adapter = engine.Adapter(method, setup.model, setup.params, batch_size=cfg.batch_size,
+                             eval_order=cfg.eval_order, seed=seed)
+    if not _run_unit(setup, key, method_name, seed, adapter, segments, stop, log):
+      return False
+  return True
+
+
+def _write_outputs(setup: _Setup, log) -> dict:
+  cfg, progress = setup.cfg, setup.progress
+  records = progress.records
+  tbl = results.table(records, setup.names, cfg.methods)
+  extra = dict(versions=versions(), skipped=progress.skipped, decode_images_per_s=setup.decode_ips,
+               throughput=progress.throughput, curves=progress.curves)
+  results.write_json(os.path.join(cfg.output, "results.json"), records, setup.config_json, extra)
   results.write_csv(os.path.join(cfg.output, "results.csv"), records)
   with open(os.path.join(cfg.output, "table.md"), "w") as f:
     f.write(tbl)
-  plots = results.plot(cfg.output, records, progress["curves"], cols, cfg.methods)
-  resume.clear()
+  plots = results.plot(cfg.output, records, progress.curves, setup.names, cfg.methods)
+  setup.resume.clear()
   log(tbl)
-  if progress["skipped"]:
-    log(f"skipped {len(progress['skipped'])} unreadable images (listed in results.json)")
+  if setup.spec.open_set:  # VisDA-2021: the papers count every sample; the official metric known classes only
+    for m in cfg.methods:
+      recs = [r for r in records if r["method"] == m]
+      log(f"{m}: accuracy over all samples {100 * np.mean([r['accuracy'] for r in recs]):.2f}%, over "
+          f"known-class samples {100 * np.mean([r['accuracy_known'] for r in recs]):.2f}%")
+  if progress.skipped:
+    log(f"skipped {len(progress.skipped)} unreadable images (listed in results.json)")
   log(f"wrote {cfg.output}/results.json, results.csv, table.md, {', '.join(os.path.basename(p) for p in plots)}")
-  return dict(records=records, curves=progress["curves"], skipped=progress["skipped"], table=tbl,
-              decode_images_per_s=decode_ips, throughput=progress["throughput"])
+  return dict(records=records, curves=progress.curves, skipped=progress.skipped, table=tbl,
+              decode_images_per_s=setup.decode_ips, throughput=progress.throughput)
 
 
 def _config_key(config_json: dict) -> str:
@@ -275,120 +383,117 @@ def _config_key(config_json: dict) -> str:
   return json.dumps(keep, sort_keys=True)
 
 
-def _run_unit(cfg, key, method_name, seed, adapter, segments, names, loader, progress, resume, stop, relabel,
-              log) -> bool:
-  """One method and seed over all segments. Returns False when interrupted (progress saved)."""
-  from tqdm import tqdm
+class _Bar:
+  """A tqdm bar on a terminal; elsewhere (CI, nohup, a log file) one line per segment instead."""
 
-  unit = progress["unit"] if progress["unit"] and progress["unit"]["key"] == key else None
+  def __init__(self, cfg: RunConfig, key: str, total: int, initial: int, log):
+    from tqdm import tqdm
+
+    self.key, self.log = key, log
+    self.tty = cfg.progress and sys.stderr.isatty()
+    self.lines = cfg.progress and not self.tty
+    self.bar = tqdm(total=total, initial=initial, desc=key, disable=not self.tty, leave=False, file=sys.stderr)
+
+  def update(self, unit: UnitProgress, seconds: float) -> None:
+    self.bar.update(1)
+    if self.tty and unit.seen:
+      self.bar.set_postfix(acc=f"{100 * unit.correct / unit.seen:.1f}", img_s=f"{unit.seen / seconds:.1f}")
+
+  def segment(self, name: str, unit: UnitProgress) -> None:
+    if self.lines and unit.seen:
+      self.log(f"{self.key} {name}: running accuracy {100 * unit.correct / unit.seen:.1f}% over {unit.seen:,} "
+               f"images, {unit.images_per_s:.1f} img/s")
+
+  def close(self) -> None:
+    self.bar.close()
+
+
+def _run_unit(setup: _Setup, key: str, method_name: str, seed: int, adapter: engine.Adapter, segments: list,
+              stop: "_Stop", log) -> bool:
+  """One method and seed over all segments. Returns False when interrupted (progress saved)."""
+  cfg, progress = setup.cfg, setup.progress
+  unit = progress.unit if progress.unit and progress.unit.key == key else None
   state = None
   if unit is not None:
-    state = adapter.state_from_host(resume.restore_state(progress, adapter.state_to_host(adapter.init_state())))
+    template = adapter.state_to_host(adapter.init_state())
+    state = adapter.state_from_host(setup.resume.restore_state(progress, template))
   else:
-    unit = dict(key=key, segment=0, batch=0, counts={}, seen=0, correct=0, seconds=0.0, total_seconds=0.0,
-                preds={}, images=0, skipped=0)
-  curve = progress["curves"].setdefault(key, {"seen": [], "accuracy": []})
-  total_batches = sum(-(-len(s.indices) // cfg.batch_size) for s in segments)
-  done_batches = sum(-(-len(s.indices) // cfg.batch_size) for s in segments[:unit["segment"]]) + unit["batch"]
-  bar = tqdm(total=total_batches, initial=done_batches, desc=key, disable=not cfg.progress, leave=False,
-             file=sys.stderr)
+    unit = UnitProgress(key=key)
+  curve = progress.curves.setdefault(key, {"seen": [], "accuracy": []})
+  n_batches = [-(-len(s.indices) // cfg.batch_size) for s in segments]
+  bar = _Bar(cfg, key, sum(n_batches), sum(n_batches[:unit.segment]) + unit.batch, log)
   batches_since_save = 0
+  score = lambda preds, batch: unit.account(preds, batch, setup.names, setup.relabel, setup.num_classes, curve)
 
-  def save():
-    progress["unit"] = unit
-    resume.save(progress, adapter.state_to_host(state))
-
-  for si in range(unit["segment"], len(segments)):
+  for si in range(unit.segment, len(segments)):
     seg = segments[si]
-    if (seg.reset and unit["batch"] == 0) or state is None:
+    if (seg.reset and unit.batch == 0) or state is None:
       state = adapter.init_state()
     t_seg = time.perf_counter()
     pending = None
-    for batch in loader.batches(seg.source_ids, seg.indices, start_batch=unit["batch"]):
-      progress["skipped"] += [f"{seg.name}/{n}" for n in batch.skipped]
-      unit["skipped"] += len(batch.skipped)
+    for batch in setup.loader.batches(seg.source_ids, seg.indices, start_batch=unit.batch):
+      progress.skipped += [f"{seg.name}/{n}" for n in batch.skipped]
+      unit.skipped += len(batch.skipped)
       if len(batch.labels):
         state, logits, _ = adapter.step(state, batch.images)
         preds = logits.argmax(-1)  # stays on device; read one step later
         if pending is not None:
-          _account(unit, curve, *pending, names, relabel)
+          score(*pending)
         pending = (preds, batch)
-      unit["batch"] += 1
+      unit.batch += 1
       batches_since_save += 1
-      bar.update(1)
-      if cfg.progress and unit["seen"]:
-        elapsed = unit["total_seconds"] + unit["seconds"] + time.perf_counter() - t_seg
-        bar.set_postfix(acc=f"{100 * unit['correct'] / unit['seen']:.1f}", img_s=f"{unit['images'] / elapsed:.1f}")
+      bar.update(unit, unit.total_seconds + unit.seconds + time.perf_counter() - t_seg)
       if stop.requested or batches_since_save >= cfg.checkpoint_every:
         if pending is not None:
-          _account(unit, curve, *pending, names, relabel)
+          score(*pending)
           pending = None
-        unit["seconds"] += time.perf_counter() - t_seg
+        unit.add_time(time.perf_counter() - t_seg)
         t_seg = time.perf_counter()
-        save()
+        progress.unit = unit
+        setup.resume.save(progress, adapter.state_to_host(state))
         batches_since_save = 0
         if stop.requested:
           bar.close()
           return False
     if pending is not None:
-      _account(unit, curve, *pending, names, relabel)
-    unit["seconds"] += time.perf_counter() - t_seg
-    _close_segment(cfg, unit, seg, method_name, seed, adapter, names, progress, int(state.resets))
-    unit["segment"], unit["batch"] = si + 1, 0
+      score(*pending)
+    unit.add_time(time.perf_counter() - t_seg)
+    _record_segment(setup, unit, seg, method_name, seed, adapter.eval_order, int(state.resets))
+    unit.close_segment()
+    bar.segment(seg.name, unit)
   bar.close()
-  progress["throughput"][key] = dict(images=unit["images"], seconds=unit["total_seconds"],
-                                     images_per_s=unit["images"] / max(unit["total_seconds"], 1e-9))
-  progress["done"].append(key)
-  progress["unit"] = None
-  resume.save(progress)
-  acc = unit["correct"] / max(unit["seen"], 1)
-  log(f"{key}: accuracy {100 * acc:.2f}% over {unit['seen']:,} images, "
-      f"{unit['images'] / max(unit['total_seconds'], 1e-9):.1f} img/s end to end")
+  progress.throughput[key] = dict(images=unit.seen, seconds=unit.total_seconds, images_per_s=unit.images_per_s)
+  progress.done.append(key)
+  progress.unit = None
+  setup.resume.save(progress)
+  log(f"{key}: accuracy {100 * unit.correct / max(unit.seen, 1):.2f}% over {unit.seen:,} images, "
+      f"{unit.images_per_s:.1f} img/s end to end")
   return True
 
 
-def _account(unit, curve, preds, batch, names, relabel) -> None:
-  n = len(batch.labels)
-  p = np.asarray(preds)[:n]
-  labels = batch.labels if relabel is None else relabel[batch.labels]
-  hit = p == labels
-  for tag in np.unique(batch.tags):
-    m = batch.tags == tag
-    c = unit["counts"].setdefault(names[tag], [0, 0])
-    c[0] += int(hit[m].sum())
-    c[1] += int(m.sum())
-    pr = unit["preds"].setdefault(names[tag], [[], [], []])
-    pr[0] += [batch.names[i] for i in np.flatnonzero(m)]
-    pr[1] += labels[m].tolist()
-    pr[2] += p[m].tolist()
-  unit["seen"] += n
-  unit["images"] += n
-  unit["correct"] += int(hit.sum())
-  curve["seen"].append(unit["seen"])
-  curve["accuracy"].append(unit["correct"] / unit["seen"])
-
-
-def _close_segment(cfg, unit, seg, method_name, seed, adapter, names, progress, resets) -> None:
+def _record_segment(setup: _Setup, unit: UnitProgress, seg, method_name: str, seed: int, eval_order: str,
+                    resets: int) -> None:
   """Records the segment's per-domain accuracies (for mix_shifts: every corruption in the mix).
 
   ``resets`` counts the method's in-step recoveries (SAR's EMA reset) since its state was last initialized.
+  On an open-set dataset (VisDA-2021) ``accuracy`` counts every sample, as the papers do, and
+  ``accuracy_known`` only those of a known class, the official metric.
   """
-  tags = [seg.name] if seg.name != "mix" else names
-  for tag in tags:
-    if tag not in unit["counts"]:
+  cfg = setup.cfg
+  for tag in ([seg.name] if seg.name != "mix" else setup.names):
+    counts, preds = unit.take_domain(tag)
+    if counts is None:
       continue
-    correct, total = unit["counts"].pop(tag)
-    progress["records"].append(dict(method=method_name, setting=cfg.setting, corruption=tag, severity=cfg.severity,
-                                    seed=seed, eval_order=adapter.eval_order, accuracy=correct / max(total, 1),
-                                    num_samples=total, num_skipped=unit["skipped"], seconds=unit["seconds"],
-                                    resets=resets))
+    correct, total, correct_known, known = counts
+    rec = dict(method=method_name, setting=cfg.setting, corruption=tag, severity=cfg.severity, seed=seed,
+               eval_order=eval_order, accuracy=correct / max(total, 1), num_samples=total,
+               num_skipped=unit.skipped, seconds=unit.seconds, resets=resets)
+    if setup.spec.open_set:
+      rec.update(accuracy_known=correct_known / max(known, 1), num_known=known)
+    setup.progress.records.append(rec)
     if cfg.save_predictions:
-      fn, lab, pred = unit["preds"].pop(tag)
+      fn, lab, pred = preds
       d = os.path.join(cfg.output, "predictions")
       os.makedirs(d, exist_ok=True)
       np.savez(os.path.join(d, f"{method_name}_{tag}_{cfg.severity}_seed{seed}.npz"), file_names=np.asarray(fn),
                labels=np.asarray(lab, np.int32), predictions=np.asarray(pred, np.int32))
-    else:
-      unit["preds"].pop(tag, None)
-  unit["total_seconds"] += unit["seconds"]
-  unit["seconds"], unit["skipped"] = 0.0, 0

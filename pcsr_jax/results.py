@@ -59,39 +59,80 @@ def fmt_mean_std(v: Sequence[float]) -> str:
   return f"{np.mean(v):.1f}" if len(v) == 1 else f"{np.mean(v):.1f} ± {np.std(v):.1f}"
 
 
+def _accuracy(records: Sequence[dict], method: str, corruptions: Sequence[str]) -> np.ndarray:
+  """Per corruption, in %, mean over seeds (NaN where the method has no record)."""
+  return np.asarray([np.mean([100 * r["accuracy"] for r in records if r["method"] == method and r["corruption"] == c]
+                             or [np.nan]) for c in corruptions])
+
+
+def _bars(ax, values: dict[str, np.ndarray], corruptions: Sequence[str]) -> None:
+  width = 0.8 / max(1, len(values))
+  x = np.arange(len(corruptions))
+  for i, (m, v) in enumerate(values.items()):
+    ax.bar(x + i * width, v, width, label=m)
+  ax.set_xticks(x + width * (len(values) - 1) / 2)
+  ax.set_xticklabels([SHORT_NAMES.get(c, c) for c in corruptions], rotation=45, ha="right")
+
+
+def _running_gain(curves: dict[str, Any], method: str) -> tuple[list, np.ndarray] | None:
+  """``(seen, gain)``: the method's running accuracy minus Source's on the same streams, mean over seeds."""
+  seeds = sorted({k.split("/", 1)[1] for k in curves})
+  pairs = [(curves[f"{method}/{sd}"], curves[f"source/{sd}"]) for sd in seeds
+           if f"{method}/{sd}" in curves and f"source/{sd}" in curves]
+  pairs = [(c, s) for c, s in pairs if c["seen"] and c["seen"] == s["seen"]]  # the same stream: same points
+  if not pairs:
+    return None
+  return pairs[0][0]["seen"], np.mean([np.asarray(c["accuracy"]) - np.asarray(s["accuracy"]) for c, s in pairs], 0)
+
+
 def plot(out_dir: str, records: Sequence[dict], curves: dict[str, Any], corruptions: Sequence[str],
          methods: Sequence[str]) -> list[str]:
-  """Per-corruption accuracy bars per method, and running accuracy along the stream."""
+  """Each method's gain over Source (when Source ran), per-corruption accuracy bars, running accuracy."""
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  def save(fig, ax, ylabel: str, fontsize: int, name: str) -> str:
-    ax.set_ylabel(ylabel)
-    ax.set_ylim(0, 100)
-    ax.legend(fontsize=fontsize)
+  def save(fig, name: str) -> str:
     fig.tight_layout()
-    path = os.path.join(out_dir, name)
-    fig.savefig(path, dpi=120)
+    fig.savefig(os.path.join(out_dir, name), dpi=120)
     plt.close(fig)
-    return path
+    return os.path.join(out_dir, name)
+
+  paths = []
+  others = [m for m in methods if m != "source"]
+  if "source" in methods and others:
+    # What a reader wants first: how much each method gains over Source, per corruption and along the stream.
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(10, 0.5 * len(corruptions) * len(others) + 5), 4),
+                                   gridspec_kw=dict(width_ratios=[2, 1]))
+    src = _accuracy(records, "source", corruptions)
+    _bars(ax1, {m: _accuracy(records, m, corruptions) - src for m in others}, corruptions)
+    ax1.set_ylabel("accuracy gain over Source (points)")
+    for m in others:
+      gain = _running_gain(curves, m)
+      if gain is not None:
+        ax2.plot(gain[0], 100 * gain[1], label=m)
+    ax2.set_xlabel("images seen")
+    ax2.set_ylabel("running accuracy gain over Source (points)")
+    for ax, size in ((ax1, 8), (ax2, 7)):
+      ax.axhline(0, color="k", lw=0.8)
+      ax.legend(fontsize=size)
+    paths.append(save(fig, "gain_over_source.png"))
 
   fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(corruptions) * max(1, len(methods)) / 2), 4))
-  width = 0.8 / max(1, len(methods))
-  x = np.arange(len(corruptions))
-  for i, m in enumerate(methods):
-    acc = [np.mean([100 * r["accuracy"] for r in records if r["method"] == m and r["corruption"] == c] or [np.nan])
-           for c in corruptions]
-    ax.bar(x + i * width, acc, width, label=m)
-  ax.set_xticks(x + width * (len(methods) - 1) / 2)
-  ax.set_xticklabels([SHORT_NAMES.get(c, c) for c in corruptions], rotation=45, ha="right")
-  paths = [save(fig, ax, "accuracy (%)", 8, "accuracy_per_corruption.png")]
+  _bars(ax, {m: _accuracy(records, m, corruptions) for m in methods}, corruptions)
+  ax.set_ylabel("accuracy (%)")
+  ax.set_ylim(0, 100)
+  ax.legend(fontsize=8)
+  paths.append(save(fig, "accuracy_per_corruption.png"))
 
   fig, ax = plt.subplots(figsize=(7, 4))
   for key, c in curves.items():
     if c["seen"]:
       ax.plot(c["seen"], 100 * np.asarray(c["accuracy"]), label=key)
   ax.set_xlabel("images seen")
-  paths.append(save(fig, ax, "running accuracy (%)", 7, "running_accuracy.png"))
+  ax.set_ylabel("running accuracy (%)")
+  ax.set_ylim(0, 100)
+  ax.legend(fontsize=7)
+  paths.append(save(fig, "running_accuracy.png"))
   return paths

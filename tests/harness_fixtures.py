@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from PIL import Image
 
-from pcsr_jax import checkpoint, convert
+from pcsr_jax import checkpoint, weights
 from pcsr_jax.data import imagenet
 from pcsr_jax.models import ViTConfig, create, init_params
 
@@ -35,5 +35,5 @@ def make_checkpoint(path: str, cfg: ViTConfig = CKPT_CFG, seed: int = 0) -> str:
   model = create(cfg)
   params = jax.tree.map(np.asarray, init_params(model, jax.random.key(seed)))
   params["head"]["kernel"] = params["head"]["kernel"] * 3.0  # some confident predictions
-  meta = checkpoint.make_meta(cfg, convert.preprocessing_meta(cfg), source="random init")
+  meta = checkpoint.make_meta(cfg, weights.preprocessing_meta(cfg), source="random init")
   return checkpoint.save(path, params, meta)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import golden_fixtures
-from pcsr_jax import checkpoint, conversion, convert
+from pcsr_jax import checkpoint, weights
 from pcsr_jax.errors import UserError
 from pcsr_jax.models import configs, create
 
@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def zeros_state_dict(cfg):
-  return {k: np.zeros(s, np.float32) for k, s in convert.expected_shapes(cfg).items()}
+  return {k: np.zeros(s, np.float32) for k, s in weights.expected_shapes(cfg).items()}
 
 
 @pytest.mark.parametrize("arch", ["vit_tiny_patch16_224", "vit_small_patch32_384", "vit_base_patch16_384",
@@ -26,12 +26,12 @@ def zeros_state_dict(cfg):
 @pytest.mark.parametrize("num_classes", [1000, 200])
 def test_arch_inferred_from_shapes(arch, num_classes):
   cfg = configs.get_config(arch, num_classes)
-  assert convert.infer_config(zeros_state_dict(cfg)) == cfg
+  assert weights.infer_config(zeros_state_dict(cfg)) == cfg
 
 
 def test_vit_base_has_timm_param_count():
   # 152 keys and 86,567,656 params in timm's vit_base_patch16_224 state dict (reference-protocols.md, sec. 6).
-  shapes = convert.expected_shapes(configs.get_config("vit_base_patch16_224"))
+  shapes = weights.expected_shapes(configs.get_config("vit_base_patch16_224"))
   assert len(shapes) == 152
   assert sum(int(np.prod(s)) for s in shapes.values()) == 86_567_656
 
@@ -43,7 +43,7 @@ def test_missing_and_unexpected_keys_are_listed():
   sd["blocks.3.attn.q_norm.weight"] = np.zeros(3)
   with pytest.raises(UserError, match=r"missing keys \['blocks.3.attn.qkv.bias'\].*unexpected keys "
                                       r"\['blocks.3.attn.q_norm.weight'\]"):
-    convert.timm_to_flax(sd, cfg, "x.safetensors")
+    weights.timm_to_flax(sd, cfg, "x.safetensors")
 
 
 def test_shape_mismatch_names_key_and_both_shapes():
@@ -52,24 +52,24 @@ def test_shape_mismatch_names_key_and_both_shapes():
   sd["blocks.0.mlp.fc1.weight"] = np.zeros((700, 192), np.float32)
   with pytest.raises(UserError, match=r"'blocks.0.mlp.fc1.weight': checkpoint \(700, 192\), "
                                       r"vit_tiny_patch16_224 expects \(768, 192\)"):
-    convert.timm_to_flax(sd, cfg)
+    weights.timm_to_flax(sd, cfg)
 
 
 def test_nonstandard_width_needs_arch():
   g = golden_fixtures.load(golden_fixtures.NAMES[0])
   with pytest.raises(UserError, match="not a standard timm width; pass --arch"):
-    convert.infer_config(g["sd"], "f.pth")
+    weights.infer_config(g["sd"], "f.pth")
 
 
 def test_preprocessing_defaults_and_overrides():
   cfg224, cfg384 = configs.get_config("vit_base_patch16_224"), configs.get_config("vit_base_patch16_384")
-  m = convert.preprocessing_meta(cfg224)
+  m = weights.preprocessing_meta(cfg224)
   assert m == dict(mean=[0.5] * 3, std=[0.5] * 3, interpolation="bicubic", crop_pct=0.9)
-  assert convert.preprocessing_meta(cfg384)["crop_pct"] == 1.0
-  m = convert.preprocessing_meta(cfg224, {"mean": (0.485, 0.456, 0.406), "crop_pct": 0.875}, crop_pct=0.95)
+  assert weights.preprocessing_meta(cfg384)["crop_pct"] == 1.0
+  m = weights.preprocessing_meta(cfg224, {"mean": (0.485, 0.456, 0.406), "crop_pct": 0.875}, crop_pct=0.95)
   assert m["mean"] == [0.485, 0.456, 0.406] and m["crop_pct"] == 0.95
   with pytest.raises(UserError, match="--mean/--std"):
-    convert.preprocessing_meta(cfg224, mean=(0.5, 0.5))
+    weights.preprocessing_meta(cfg224, mean=(0.5, 0.5))
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +86,10 @@ def golden_safetensors(tmp_path_factory):
 def test_safetensors_to_checkpoint_round_trip(golden_safetensors, tmp_path):
   g, path = golden_safetensors
   # A nonstandard width: the shapes give everything but the head count, which a standard width would.
-  sd, _ = convert.read_state_dict(path)
+  sd, _ = weights.read_state_dict(path)
   cfg = g["cfg"]
-  params = convert.timm_to_flax(sd, cfg, path)
-  out = checkpoint.save(str(tmp_path / "ck"), params, checkpoint.make_meta(cfg, convert.preprocessing_meta(cfg)))
+  params = weights.timm_to_flax(sd, cfg, path)
+  out = checkpoint.save(str(tmp_path / "ck"), params, checkpoint.make_meta(cfg, weights.preprocessing_meta(cfg)))
   model, params2, meta = checkpoint.load(out)
   assert meta["arch"] == "custom" and meta["num_classes"] == cfg.num_classes and meta["img_size"] == cfg.img_size
   assert meta["mean"] == [0.5] * 3 and meta["model"] == cfg.to_dict()
@@ -108,13 +108,13 @@ def test_convert_checkpoint_infers_standard_arch(tmp_path):
 
   cfg = configs.get_config("vit_tiny_patch16_224", num_classes=5)
   sd = {k: np.random.default_rng(0).standard_normal(s).astype(np.float32) * 0.02
-        for k, s in convert.expected_shapes(cfg).items()}
+        for k, s in weights.expected_shapes(cfg).items()}
   save_file(sd, str(tmp_path / "t.safetensors"))
-  res = conversion.convert_checkpoint(str(tmp_path / "t.safetensors"), str(tmp_path / "out"), crop_pct=0.875)
+  res = weights.convert_checkpoint(str(tmp_path / "t.safetensors"), str(tmp_path / "out"), crop_pct=0.875)
   model, params, meta = checkpoint.load(res["out"])
   assert meta["arch"] == "vit_tiny_patch16_224" and meta["crop_pct"] == 0.875 and meta["num_classes"] == 5
   assert model.config == cfg
-  back = convert.flax_to_timm(params)
+  back = weights.flax_to_timm(params)
   for k in sd:
     np.testing.assert_array_equal(back[k], sd[k], err_msg=k)
 
@@ -174,5 +174,5 @@ def test_recalibration_free_model_has_only_timm_params():
   import jax
 
   shapes = jax.eval_shape(lambda: create(cfg).init(jax.random.key(0), np.zeros((1, 224, 224, 3), np.float32)))
-  flat = convert.flax_to_timm(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes["params"]))
-  assert {k: v.shape for k, v in flat.items()} == convert.expected_shapes(cfg)
+  flat = weights.flax_to_timm(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes["params"]))
+  assert {k: v.shape for k, v in flat.items()} == weights.expected_shapes(cfg)

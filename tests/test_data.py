@@ -132,3 +132,38 @@ def test_label_shift_index_file(tmp_path):
 def test_unknown_setting():
   with pytest.raises(UserError, match="unknown setting 'wild'"):
     streams.build("wild", SIZES, LABELS, NAMES, seed=0)
+
+
+def test_visda_preprocess_is_square_resize_then_center_crop():
+  meta = dict(img_size=32, mean=(0.5,) * 3, std=(0.5,) * 3, interpolation="bicubic", crop_pct=0.9)
+  img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (50, 80, 3), dtype=np.uint8))
+  ref = img.resize((36, 36), Image.BILINEAR).crop((2, 2, 34, 34))  # Resize((256, 256)) -> CenterCrop(224) at 32 px
+  expected = (np.asarray(ref, np.float32) / 255.0 - 0.5) / 0.5
+  np.testing.assert_array_equal(transforms.visda_preprocess(meta)(img), expected)
+
+
+def make_visda(root, rng, known=6, unknown=3):
+  """VisDA-2021's release layout: the official list under val_filelists/, paths relative to the unpack folder,
+  ImageNet-O images in wnid folders but labelled 1000."""
+  lines = []
+  for k in range(known + unknown):
+    sub = "imagenet_c_and_r" if k < known else "imagenet_o"
+    label = (k * 97) % 1000 if k < known else 1000
+    d = root / "val_data" / sub / imagenet.wnids()[(k * 97) % 1000]
+    d.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(rng.integers(0, 256, (40, 40, 3), dtype=np.uint8)).save(d / f"{k}.jpg")
+    lines.append(f"./val_data/{sub}/{d.name}/{k}.jpg {label}")
+  (root / "val_filelists").mkdir()
+  (root / "val_filelists" / "imagenet_c_r_o_filelist.txt").write_text("\n".join(lines) + "\n")
+
+
+def test_visda_source_reads_the_official_list(tmp_path):
+  make_visda(tmp_path, np.random.default_rng(0))
+  src = sources.visda_source(str(tmp_path))
+  assert len(src) == 9 and (src.labels == 1000).sum() == 3
+  assert src.names[0] == os.path.join("val_data", "imagenet_c_and_r", imagenet.wnids()[0], "0.jpg")
+  with pytest.raises(UserError, match="no VisDA-2021 list found"):
+    sources.visda_source(str(tmp_path / "val_data"))
+  (tmp_path / "other.txt").write_text("val_data/imagenet_o/x.jpg 1000\n")
+  with pytest.raises(UserError, match="label 1000 outside 0..999"):  # a plain image list has no open set
+    sources.ImageListSource(str(tmp_path), "other.txt")

@@ -77,7 +77,7 @@ def test_perturbed_eval_order_is_the_second_forward():
   from pcsr_jax.errors import UserError
 
   model, params = tiny_model()
-  with pytest.raises(UserError, match="--eval-order: expected before or after for tent"):
+  with pytest.raises(UserError, match="eval_order: expected before or after for tent"):
     engine.Adapter(methods.get("tent"), model, params, batch_size=4, eval_order="perturbed")
 
 
@@ -110,8 +110,10 @@ def test_bad_batch_and_eval_order():
   from pcsr_jax.errors import UserError
 
   model, params = tiny_model()
-  with pytest.raises(UserError, match="--eval-order"):
+  with pytest.raises(UserError, match="^eval_order"):  # library errors name the argument, not a CLI flag
     engine.Adapter(methods.get("tent"), model, params, batch_size=4, eval_order="during")
+  with pytest.raises(UserError, match="^batch_size: expected a positive integer"):
+    engine.Adapter(methods.get("tent"), model, params, batch_size=0)
   ad = engine.Adapter(methods.get("tent"), model, params, batch_size=4)
   with pytest.raises(UserError, match="batch of 5 images"):
     ad.step(ad.init_state(), batches(1, 5)[0])

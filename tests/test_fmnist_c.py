@@ -13,15 +13,13 @@ import jax
 import numpy as np
 import pytest
 
+import float_checks
 from pcsr_jax import checkpoint, harness
 from pcsr_jax.data import corruptions, fashion_mnist, fmnist_c, transforms
 from pcsr_jax.errors import UserError
+from pcsr_jax.experiments import builtin, train_source, tune_builtin
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "experiments"))
-import builtin  # noqa: E402
-import float_checks  # noqa: E402
-import train_source  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -156,8 +154,6 @@ def test_frozen_hyperparameters_are_the_heldout_winners():
     sweep = json.load(f)
   assert sweep["corruptions"] == list(corruptions.HELDOUT)  # tuned on held-out corruptions only
   assert set(corruptions.BENCHMARK).isdisjoint(sweep["corruptions"])
-  import tune_builtin
-
   for m, args in sweep["winners"].items():
     assert tune_builtin.best(sweep["rows"], m) == args, m  # the rule: the paper's unless beaten beyond noise
     assert builtin.SWEPT[m] == args and builtin.METHOD_ARGS[m]["lr" if "lr" in args else "lr_fgn"] == \

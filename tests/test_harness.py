@@ -43,7 +43,8 @@ def test_all_methods_normal_setting_outputs(world, tmp_path):
   res = harness.run(cfg(world, tmp_path, methods=("source", "tent", "sar", "pcsr", "pcsr-frozen"),
                         save_predictions=True), log=lambda *a: None)
   assert len(res["records"]) == 10 and {r["num_samples"] for r in res["records"]} == {20}
-  for f in ("results.json", "results.csv", "table.md", "accuracy_per_corruption.png", "running_accuracy.png"):
+  for f in ("results.json", "results.csv", "table.md", "gain_over_source.png", "accuracy_per_corruption.png",
+            "running_accuracy.png"):
     assert os.path.getsize(tmp_path / f) > 0, f
   data = json.loads((tmp_path / "results.json").read_text())
   assert data["complete"] and data["config"]["setting"] == "normal" and "jax" in data["versions"]
@@ -230,3 +231,40 @@ def test_preset_scripts_run(world, tmp_path, capsys):
                                     "--output", str(tmp_path / "rav")])
   rec = json.loads((tmp_path / "rav" / "imagenet_r" / "results.json").read_text())["records"][0]
   assert rec["corruption"] == "imagenet_r" and rec["num_samples"] == 8
+
+
+def test_visda_reports_all_sample_and_known_class_accuracy(tmp_path):
+  from test_data import make_visda
+
+  make_visda(tmp_path / "visda", np.random.default_rng(1))
+  hf.make_checkpoint(str(tmp_path / "ckpt"))
+  res = harness.run(harness.RunConfig(data=str(tmp_path / "visda"), checkpoint=str(tmp_path / "ckpt"),
+                                      output=str(tmp_path / "out"), dataset="visda", methods=("source",),
+                                      seeds=(1,), batch_size=4, save_predictions=True, progress=False),
+                    log=lambda *a: None)
+  (rec,) = res["records"]
+  pred = np.load(tmp_path / "out" / "predictions" / "source_visda_5_seed1.npz")
+  known = pred["labels"] < 1000
+  hits = pred["predictions"] == pred["labels"]
+  assert rec["num_samples"] == 9 and rec["num_known"] == known.sum() == 6
+  assert rec["accuracy"] == hits.sum() / 9 and rec["accuracy_known"] == hits[known].sum() / 6
+  assert not hits[~known].any()  # label 1000 is never predicted: those samples always count as wrong
+
+
+def test_progress_is_one_line_per_segment_without_a_terminal(world, tmp_path):
+  lines = []
+  harness.run(cfg(world, tmp_path, methods=("source",), progress=True), log=lines.append)  # pytest: not a tty
+  seg = [l for l in lines if l.startswith("source/seed1 ")]
+  assert [l.split(":")[0] for l in seg] == [f"source/seed1 {c}" for c in CORR]
+  assert "running accuracy" in seg[0] and "over 20 images" in seg[0] and "over 40 images" in seg[1]
+
+
+def test_unit_progress_json_round_trip():
+  u = harness.UnitProgress(key="sar/seed1", segment=1, batch=3, seen=40, correct=7, skipped=1, seconds=0.5,
+                           total_seconds=2.0, counts={"fog": [1, 2, 1, 2]}, preds={"fog": [["a"], [1], [1]]})
+  back = harness.UnitProgress.from_json(json.loads(json.dumps(u.to_json())))
+  assert back == u
+  p = harness.RunProgress(config_key="k", records=[{"a": 1}], done=["x"], unit=u, state_dir="state_1")
+  assert harness.RunProgress.from_json(json.loads(json.dumps(p.to_json()))) == p
+  u.close_segment()
+  assert (u.segment, u.batch, u.seconds, u.skipped, u.total_seconds) == (2, 0, 0.0, 0, 2.5)

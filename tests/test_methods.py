@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from pcsr_jax import engine, losses, methods
-from pcsr_jax.methods.base import merge
+from pcsr_jax import engine, methods
 from test_losses import np_entropy
 from tiny import TINY, batches, tiny_model
 
@@ -79,8 +78,7 @@ def test_sar_default_skips_blocks_9_to_11_of_vit_base():
 
 @pytest.mark.parametrize("name", ["tent", "sar", "pcsr", "pcsr-frozen"])
 def test_only_intended_params_change_and_backbone_is_bit_identical(name):
-  method = methods.get(name) if name != "tent" else methods.get(name)
-  ad, state, params, _ = run(method)
+  ad, state, params, _ = run(methods.get(name))
   full = traverse_util.flatten_dict(jax.tree.map(np.asarray, ad.params(state)))
   source = traverse_util.flatten_dict(ad.prep.params)
   trainable = set(traverse_util.flatten_dict(state.trainable))
@@ -245,7 +243,7 @@ def test_pcsr_step_order_dsn_sgd_then_sam():
   new = traverse_util.flatten_dict(state.trainable)
   moved = {k[-2] if k[0].startswith("recal_") else "norm" for k in src if not np.array_equal(src[k], new[k])}
   assert moved == {"dsn", "fgn", "norm"}
-  model, frozen = ad.prep.model, ad.frozen
+  frozen = ad.frozen
   x = out[0][0]
   margin = method.margin(TINY.num_classes)
   g1 = jax.grad(lambda t: method._loss(ad.prep, frozen, t, x, jnp.ones(B, bool), margin)[0])(ad.init_state().trainable)

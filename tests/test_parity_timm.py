@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from pcsr_jax import checkpoint, conversion, convert
+from pcsr_jax import checkpoint, weights
 from pcsr_jax.models import configs
 
 pytestmark = pytest.mark.torch
@@ -63,7 +63,7 @@ def test_converted_logits_match_timm(arch, num_classes, batch, tmp_path):
   assert np.abs(ref).max() > 0.1  # randomized: logits are not trivially zero
   for src in save_torch_files(model, str(tmp_path)):
     out_dir = str(tmp_path / (os.path.basename(src) + ".ckpt"))
-    conversion.convert_checkpoint(src, out_dir)
+    weights.convert_checkpoint(src, out_dir)
     logits, meta = flax_logits(out_dir, x)
     assert meta["arch"] == arch and meta["num_classes"] == num_classes
     diff = float(np.abs(logits - ref).max())
@@ -84,12 +84,12 @@ def test_augreg_npz_matches_timm_loader(layout, tmp_path):
   model = randomized_timm(arch, 1000, seed=3)
   sd = {k: v.numpy() for k, v in model.state_dict().items()}
   path = str(tmp_path / "augreg.npz")
-  np.savez(path, **convert.timm_to_bigvision(sd, num_heads=3, layout=layout))
+  np.savez(path, **weights.timm_to_bigvision(sd, num_heads=3, layout=layout))
   fresh = timm_parity.timm_model(configs.get_config(arch))
   _load_weights(fresh, path)  # timm's big_vision / AugReg loader is the oracle for the names
   for k, v in fresh.state_dict().items():
     torch.testing.assert_close(v, model.state_dict()[k], rtol=0, atol=0, msg=k)
-  conversion.convert_checkpoint(path, str(tmp_path / "ckpt"))
+  weights.convert_checkpoint(path, str(tmp_path / "ckpt"))
   x = np.random.default_rng(2).standard_normal((2, 224, 224, 3), dtype=np.float32)
   logits, meta = flax_logits(str(tmp_path / "ckpt"), x)
   assert meta["arch"] == arch

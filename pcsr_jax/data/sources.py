@@ -59,12 +59,13 @@ class FolderSource:
 
 class ImageListSource:
   """An image list (VisDA-2021's release format): lines ``relative/path.jpg <label>`` under ``root``,
-  labels being ImageNet-1k class indices."""
+  labels being ImageNet-1k class indices; ``open_set`` also accepts label 1000, "no ImageNet class"."""
 
-  def __init__(self, root: str, list_file: str):
+  def __init__(self, root: str, list_file: str, open_set: bool = False):
     path = list_file if os.path.isabs(list_file) else os.path.join(root, list_file)
     if not os.path.isfile(path):
       raise UserError(f"{path}: image list not found")
+    top = 1000 if open_set else 999
     paths, labels = [], []
     with open(path) as f:
       for n, line in enumerate(f, 1):
@@ -73,6 +74,8 @@ class ImageListSource:
           continue
         if len(parts) != 2 or not parts[1].lstrip("-").isdigit():
           raise UserError(f"{path}:{n}: expected '<relative/path> <label>', got '{line.strip()}'")
+        if not 0 <= int(parts[1]) <= top:
+          raise UserError(f"{path}:{n}: label {parts[1]} outside 0..{top}")
         paths.append(os.path.join(root, parts[0]))
         labels.append(int(parts[1]))
     if not paths:
@@ -135,6 +138,23 @@ class TFDSSource:
         im.load()
         return im
     return Image.fromarray(np.asarray(img))
+
+
+# VisDA-2021's official validation list, as released and as the TTA repositories rename it.
+VISDA_LISTS = ("val_filelists/imagenet_c_r_o_filelist.txt", "imagenet_c_r_o_filelist.txt", "imagenet_c_r.txt")
+
+
+def visda_source(root: str, list_file: Optional[str] = None) -> ImageListSource:
+  """VisDA-2021's validation set read from its official list (18,338 lines; label 1000 = not an ImageNet
+  class, e.g. the ImageNet-O images that sit in wnid folders). ``list_file`` None: the first of
+  `VISDA_LISTS` found under ``root`` (the folder the zip was unpacked in; list paths are relative to it)."""
+  if list_file is None:
+    found = [f for f in VISDA_LISTS if os.path.isfile(os.path.join(root, f))]
+    if not found:
+      raise UserError(f"{root}: no VisDA-2021 list found (expected one of {', '.join(VISDA_LISTS)}); "
+                      f"name it with --image-list")
+    list_file = found[0]
+  return ImageListSource(root, list_file, open_set=True)
 
 
 def imagenet_c_source(root: str, corruption: str, severity: int) -> FolderSource:

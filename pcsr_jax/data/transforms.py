@@ -4,7 +4,8 @@ timm's eval transform: resize the shorter side to ``floor(img_size / crop_pct)``
 with the checkpoint's interpolation, center crop ``img_size``, scale to [0, 1],
 normalize with the checkpoint's mean and std. The papers' ImageNet-C protocol
 feeds Hendrycks' 224 px images through a plain center crop
-(`imagenet_c_preprocess`: no resize unless an image is smaller than the model).
+(`imagenet_c_preprocess`: no resize unless an image is smaller than the model);
+VisDA-2021's authors' code resizes to a square first (`visda_preprocess`).
 Output: float32 HWC.
 """
 
@@ -30,6 +31,7 @@ class Preprocess:
   interpolation: str = "bicubic"
   crop_pct: float = 1.0
   crop_only: bool = False  # ImageNet-C: center crop without resizing (unless the image is too small)
+  square_resize: bool = False  # VisDA-2021's code: Resize((s, s)), aspect not kept, then the center crop
 
   @staticmethod
   def from_meta(meta: Mapping[str, Any], crop_pct: float | None = None) -> "Preprocess":
@@ -49,7 +51,9 @@ class Preprocess:
     img = img.convert("RGB")
     w, h = img.size
     s = self.img_size if self.crop_only else self.resize_to
-    if min(w, h) != s and not (self.crop_only and min(w, h) > s):
+    if self.square_resize:
+      img, w, h = img.resize((s, s), _INTERP[self.interpolation]), s, s
+    elif min(w, h) != s and not (self.crop_only and min(w, h) > s):
       # Shorter side to s, aspect kept (torchvision Resize(int)): the long side is truncated.
       nw, nh = (s, int(s * h / w)) if w <= h else (int(s * w / h), s)
       if self.interpolation not in _INTERP:
@@ -68,3 +72,10 @@ class Preprocess:
 def imagenet_c_preprocess(meta: Mapping[str, Any]) -> Preprocess:
   """ImageNet-C: center crop to the model's size, then the checkpoint's normalization."""
   return dataclasses.replace(Preprocess.from_meta(meta, crop_pct=1.0), crop_only=True)
+
+
+def visda_preprocess(meta: Mapping[str, Any]) -> Preprocess:
+  """VisDA-2021 as the authors' code reads it: Resize((256, 256)) (bilinear, aspect not kept), CenterCrop(224),
+  then the checkpoint's normalization; 256 = 224 / 0.875 scales with the model's size."""
+  return dataclasses.replace(Preprocess.from_meta(meta, crop_pct=0.875), interpolation="bilinear",
+                             square_resize=True)

@@ -9,9 +9,7 @@ new file and add a line to ``REGISTRY``.
 
 from __future__ import annotations
 
-import dataclasses
-
-from pcsr_jax.errors import UserError
+from pcsr_jax.errors import UserError, check_fields
 from pcsr_jax.methods.base import AdaptState, Method, Prepared
 from pcsr_jax.methods.pcsr import PCSR
 from pcsr_jax.methods.sar import SAR
@@ -32,9 +30,7 @@ def get(name: str, **hyperparameters) -> Method:
   if name not in REGISTRY:
     raise UserError(f"unknown method '{name}': expected one of {', '.join(REGISTRY)}")
   cls, overrides = REGISTRY[name]
-  unknown = sorted(set(hyperparameters) - {f.name for f in dataclasses.fields(cls)})
-  if unknown:
-    raise UserError(f"{name}: unknown hyperparameters {unknown}")
+  check_fields(cls, hyperparameters, name, "unknown hyperparameters")
   return cls(**{**overrides, **hyperparameters})
 
 

@@ -66,7 +66,6 @@ def param_group(path) -> str:
 @dataclasses.dataclass(frozen=True)
 class PCSR(Method):
   name: ClassVar[str] = "pcsr"
-  eval_orders: ClassVar[tuple[str, ...]] = ("before", "after", "perturbed")
 
   config: pcsr.PCSRConfig = pcsr.PCSRConfig()
   recipe: str = "sar"
@@ -99,6 +98,10 @@ class PCSR(Method):
   @property
   def default_eval_order(self) -> str:  # type: ignore[override]
     return "before" if self.recipe == "sar" else "after"
+
+  @property
+  def eval_orders(self) -> tuple[str, ...]:  # type: ignore[override]
+    return ("before", "after", "perturbed") if self.recipe == "sar" else ("before", "after")
 
   @staticmethod
   def preset(arch: str, **overrides) -> "PCSR":

@@ -12,7 +12,7 @@ import dataclasses
 import re
 from typing import Any
 
-from pcsr_jax.errors import UserError
+from pcsr_jax.errors import UserError, check_fields
 
 # timm's widths, depths and head counts per model size.
 _SIZES = {
@@ -52,10 +52,7 @@ class ViTConfig:
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> "ViTConfig":
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - fields)
-    if unknown:
-      raise UserError(f"model config: unexpected keys {unknown}")
+    check_fields(cls, d, "model config", "unexpected keys")
     return cls(**d)
 
 

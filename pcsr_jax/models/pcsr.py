@@ -41,7 +41,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from pcsr_jax.errors import UserError
+from pcsr_jax.errors import UserError, check_fields
 from pcsr_jax.losses import mean_pairwise_cosine
 
 Array = jax.Array
@@ -88,9 +88,7 @@ class PCSRConfig:
 
   @staticmethod
   def from_dict(d: dict[str, Any]) -> "PCSRConfig":
-    unknown = sorted(set(d) - {f.name for f in dataclasses.fields(PCSRConfig)})
-    if unknown:
-      raise UserError(f"pcsr config: unknown fields {unknown}")
+    check_fields(PCSRConfig, d, "pcsr config")
     d = dict(d)
     if "skip_blocks" in d:  # a JSON list
       d["skip_blocks"] = tuple(d["skip_blocks"])

@@ -3,7 +3,7 @@
 The parameter tree mirrors timm's ``VisionTransformer`` state dict: timm's
 ``blocks.3.attn.qkv.weight`` is ``params['blocks_3']['attn']['qkv']['kernel']``
 (transposed), ``norm1.weight`` is ``norm1/scale``, and so on
-(`pcsr_jax.convert` holds the exact map). Numerics follow timm: pre-norm
+(`pcsr_jax.weights.timm_map` holds the exact map). Numerics follow timm: pre-norm
 blocks, LayerNorm eps 1e-6, fused qkv with bias, exact (erf) GELU, attention
 scale ``head_dim ** -0.5``, and a position embedding whose slot 0 belongs to
 the class token (concatenate the class token first, then add). The head reads

@@ -7,7 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from pcsr_jax import checkpoint, convert
+from pcsr_jax import checkpoint
+from pcsr_jax.weights import readers, timm_map
 from pcsr_jax.errors import UserError
 
 
@@ -27,12 +28,12 @@ def convert_checkpoint(src: str, out: str, arch: str | None = None, num_classes:
       import torch  # noqa: F401
     except ImportError:
       raise UserError("--verify needs torch and timm: pip install 'pcsr-jax[convert]'") from None
-  sd, pretrained_cfg = convert.read_state_dict(src)
+  sd, pretrained_cfg = readers.read_state_dict(src)
   if arch is None and pretrained_cfg.get("architecture"):
     arch = pretrained_cfg["architecture"]
-  cfg = convert.infer_config(sd, src, arch=arch, num_classes=num_classes)
-  params = convert.timm_to_flax(sd, cfg, src)
-  meta = checkpoint.make_meta(cfg, convert.preprocessing_meta(cfg, pretrained_cfg, **preprocessing), source=src)
+  cfg = timm_map.infer_config(sd, src, arch=arch, num_classes=num_classes)
+  params = timm_map.timm_to_flax(sd, cfg, src)
+  meta = checkpoint.make_meta(cfg, timm_map.preprocessing_meta(cfg, pretrained_cfg, **preprocessing), source=src)
   path = checkpoint.save(out, params, meta, force=force)
   result = dict(out=path, meta=meta, num_params=int(sum(np.size(v) for v in sd.values())))
   if verify:

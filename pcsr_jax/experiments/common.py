@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from typing import Optional
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo
 
-from pcsr_jax.errors import ArgumentParser, UserError  # noqa: E402
+from pcsr_jax.errors import ArgumentParser, UserError
 
 
 def parser(prog: str, description: str, presets: dict) -> ArgumentParser:
@@ -38,7 +36,8 @@ def parser(prog: str, description: str, presets: dict) -> ArgumentParser:
   p.add_argument("--imbalance-ratio", type=float, help="label_shifts: ir (default 500000)")
   p.add_argument("--label-shift-indices", help="label_shifts: a SAR index file (.npy) instead of the generator")
   p.add_argument("--tfds-data-dir", help="--data tfds: where the prepared TFDS datasets live")
-  p.add_argument("--image-list", help="visda: the image list file under --data")
+  p.add_argument("--image-list", help="visda: the list under --data (default: the official "
+                                      "val_filelists/imagenet_c_r_o_filelist.txt)")
   p.add_argument("--method-args", help="JSON of per-method hyperparameters, e.g. '{\"pcsr\": {\"lr_dsn\": 0.05}}'")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
   return p
@@ -62,11 +61,7 @@ def config_from_args(a, presets: dict, defaults: Optional[dict] = None):
   if a.seeds:
     kw["seeds"] = parse_seeds(a.seeds)
   if a.method_args:
-    extra = parse_method_args(a.method_args)
-    merged = dict(kw.get("method_args", {}))
-    for m, args in extra.items():
-      merged[m] = {**merged.get(m, {}), **args}
-    kw["method_args"] = merged
+    kw["method_args"] = merge_method_args(kw.get("method_args", {}), parse_method_args(a.method_args))
   kw["shuffle"] = not a.no_shuffle
   kw["save_predictions"] = a.save_predictions
   kw["resume"] = a.resume
@@ -76,6 +71,14 @@ def config_from_args(a, presets: dict, defaults: Optional[dict] = None):
       raise UserError(f"--{need} is required with --data (or use a preset that sets it)")
   kw.setdefault("output", os.path.join("runs", a.preset or "imagenet_c"))
   return harness.RunConfig(**kw)
+
+
+def merge_method_args(base: dict, extra: dict) -> dict:
+  """Per-method hyperparameters: ``extra``'s keys win over ``base``'s, method by method."""
+  merged = {m: dict(a) for m, a in base.items()}
+  for m, a in extra.items():
+    merged[m] = {**merged.get(m, {}), **a}
+  return merged
 
 
 def parse_list(text: str) -> tuple[str, ...]:
@@ -129,6 +132,16 @@ def eval_order_table(results: dict, methods) -> str:
       cells.append(fmt_mean_std([100 * v for v in mean_accuracy(recs, m, sorted({r["seed"] for r in recs}))]))
     lines.append(f"| {m} | " + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n"
+
+
+def run_table(a, presets: dict, preset: str, runs: dict, title: str, output: Optional[str] = None) -> str:
+  """The tail of a table script: its preset under the flags, the runs, one summary table (`run_many`);
+  without --output, the runs go to ``runs/<output or preset>``."""
+  a.preset = a.preset or preset
+  base = config_from_args(a, presets)
+  if not a.output:
+    base.output = os.path.join("runs", output or preset)
+  return run_many(base, runs, title)
 
 
 def run_many(base, runs: dict, title: str, column: str = "Avg.") -> str:

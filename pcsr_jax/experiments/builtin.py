@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo
 CHECKPOINT = os.path.join(ROOT, "assets", "fmnist_vit")
 DEFAULT_IMAGES = 1280  # per corruption in the quick default run (the first N test images): 20 batches, < 5 min
 FULL_IMAGES = 10000
@@ -51,9 +51,10 @@ def run_config(output: str, images: int = DEFAULT_IMAGES, seeds=DEFAULT_SEEDS, m
   from pcsr_jax import harness
   from pcsr_jax.data import corruptions as corr
 
-  merged = {m: dict(METHOD_ARGS[m]) for m in methods if m in METHOD_ARGS} if frozen_args else {}
-  for m, a in (method_args or {}).items():
-    merged[m] = {**merged.get(m, {}), **a}
+  from pcsr_jax.experiments.common import merge_method_args
+
+  frozen = {m: METHOD_ARGS[m] for m in methods if m in METHOD_ARGS} if frozen_args else {}
+  merged = merge_method_args(frozen, method_args or {})
   return harness.RunConfig(data="builtin", checkpoint=checkpoint, output=output, dataset="fmnist_c",
                            methods=tuple(methods), corruptions=tuple(corruptions or corr.BENCHMARK),
                            severity=severity, seeds=tuple(seeds), setting=kw.pop("setting", "normal"),
