@@ -15,12 +15,15 @@ Usage::
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from typing import Any, Mapping
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from flax import traverse_util
 
 from pcsr_jax.errors import UserError
 from pcsr_jax.models import ViTConfig, VisionTransformer, create
@@ -46,26 +49,86 @@ def save(directory: str, params: Any, meta: Mapping[str, Any], force: bool = Fal
   return directory
 
 
+def _damaged(directory: str, what: str, e: Exception) -> UserError:
+  first = (str(e).strip().splitlines() or [""])[0][:160]
+  return UserError(f"{directory}: {what} ({type(e).__name__}{': ' + first if first else ''}); re-create the "
+                   f"checkpoint with convert_weights.py")
+
+
 def load_meta(directory: str) -> dict[str, Any]:
-  """Reads only the metadata of a checkpoint directory."""
+  """Reads only the metadata of a checkpoint directory, checking every field the harness relies on."""
   directory = os.path.abspath(directory)
   if not os.path.isdir(os.path.join(directory, "params")) or not os.path.isdir(os.path.join(directory, "meta")):
     raise UserError(f"{directory}: not a pcsr-jax checkpoint (expected params/ and meta/ inside; "
                     f"make one with convert_weights.py)")
-  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
-    meta = ckptr.restore(directory, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  try:
+    # Parse the JSON first: orbax failing on it inside its async machinery also prints thread tracebacks.
+    with open(os.path.join(directory, "meta", "metadata")) as f:
+      json.load(f)
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+      meta = ckptr.restore(directory, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  except Exception as e:  # not JSON, unreadable, a damaged orbax manifest: one line, not a traceback
+    raise _damaged(directory, "checkpoint metadata unreadable", e) from None
+  if not isinstance(meta, Mapping):
+    raise UserError(f"{directory}: checkpoint metadata is a {type(meta).__name__}, expected a JSON object")
   for k in ("arch", "model", "num_classes", "img_size", "mean", "std"):
     if k not in meta:
       raise UserError(f"{directory}: checkpoint metadata lacks key '{k}'")
+  check_preprocessing(meta, f"{directory}: checkpoint metadata")
   return dict(meta)
 
 
+def check_preprocessing(meta: Mapping[str, Any], where: str) -> None:
+  """mean/std: finite numbers, one per channel, std > 0 (a zero std divides every image by zero)."""
+  for k in ("mean", "std"):
+    v = meta[k]
+    if not isinstance(v, (list, tuple)) or not v or not all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v):
+      raise UserError(f"{where}: '{k}' must be a list of finite numbers, got {v!r}")
+  if min(meta["std"]) <= 0:
+    raise UserError(f"{where}: 'std' must be positive, got {list(meta['std'])}")
+
+
+def check_params(params: Any, cfg: ViTConfig, where: str) -> None:
+  """The params tree must be exactly the model's (names and shapes) and hold finite numbers only."""
+  model = create(cfg)
+  x = jax.ShapeDtypeStruct((1, cfg.img_size, cfg.img_size, cfg.in_chans), np.float32)
+  expected = traverse_util.flatten_dict(jax.eval_shape(model.init, jax.random.key(0), x)["params"])
+  got = traverse_util.flatten_dict(params)
+  missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
+  if missing or extra:
+    name = lambda k: "/".join(k)
+    raise UserError(f"{where}: params do not match the metadata's model ({cfg.depth} blocks, width {cfg.embed_dim}, "
+                    f"{cfg.num_classes} classes): " + (f"missing {name(missing[0])}" if missing else "") +
+                    (", " if missing and extra else "") + (f"unexpected {name(extra[0])}" if extra else "") +
+                    f" ({len(missing)} missing, {len(extra)} unexpected)")
+  for k, v in expected.items():
+    if tuple(got[k].shape) != tuple(v.shape):
+      raise UserError(f"{where}: {'/'.join(k)} has shape {tuple(got[k].shape)}, the metadata's model needs "
+                      f"{tuple(v.shape)}")
+  bad = [k for k, v in got.items() if not np.isfinite(v).all()]
+  if bad:
+    raise UserError(f"{where}: {len(bad)} param arrays hold NaN or inf (e.g. {'/'.join(bad[0])})")
+
+
 def load(directory: str) -> tuple[VisionTransformer, dict, dict[str, Any]]:
-  """Returns ``(model, params, meta)`` for a directory written by `save`."""
+  """Returns ``(model, params, meta)`` for a directory written by `save`, checked end to end: metadata that
+  parses and is sane, params that restore, match the metadata's model exactly, and are finite."""
   meta = load_meta(directory)
-  cfg = ViTConfig.from_dict(meta["model"])
-  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
-    params = ckptr.restore(os.path.abspath(directory),
-                           args=ocp.args.Composite(params=ocp.args.StandardRestore()))["params"]
+  directory = os.path.abspath(directory)
+  try:
+    cfg = ViTConfig.from_dict(meta["model"])
+  except (TypeError, ValueError) as e:
+    raise _damaged(directory, "checkpoint metadata has a bad model config", e) from None
+  for k, field in (("num_classes", "num_classes"), ("img_size", "img_size"), ("arch", "name")):
+    if meta[k] != getattr(cfg, field):
+      raise UserError(f"{directory}: checkpoint metadata says {k} {meta[k]} but its model config "
+                      f"{getattr(cfg, field)}")
+  try:
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+      params = ckptr.restore(directory, args=ocp.args.Composite(params=ocp.args.StandardRestore()))["params"]
+  except Exception as e:  # a truncated or deleted array file, a damaged _METADATA: tensorstore / orbax errors
+    raise _damaged(directory, "checkpoint params unreadable", e) from None
   params = jax.tree.map(lambda a: np.asarray(a, np.float32), params)
+  check_params(params, cfg, directory)
   return create(cfg), params, meta

@@ -94,6 +94,11 @@ class Adapter:
       logits = perturbed
     elif self.eval_order == "after":
       logits, _ = self.method.forward(self.prep, frozen, state.trainable, images)
+    # A diverged step (NaN/inf logits or adapted params) must stop a run, not become "every prediction class 0".
+    finite = jnp.all(jnp.where(valid[:, None], jnp.isfinite(logits), True))
+    for leaf in jax.tree.leaves(state.trainable):
+      finite &= jnp.all(jnp.isfinite(leaf))
+    metrics["finite"] = finite
     return state, logits, metrics
 
   def pad(self, images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

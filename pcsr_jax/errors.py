@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from typing import Callable, Iterable, NoReturn, Sequence
 
@@ -34,7 +35,11 @@ def run_cli(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[s
   except UserError as e:
     prog = sys.argv[0].rsplit("/", 1)[-1] if sys.argv and sys.argv[0] else "pcsr_jax"
     sys.stderr.write(f"{prog}: error: {e}\n")
-    sys.exit(2)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Exit now: a failed orbax/tensorstore read leaves async callbacks that would print thread tracebacks
+    # during interpreter shutdown, burying the one line above.
+    os._exit(2)
   except KeyboardInterrupt:
     sys.stderr.write("interrupted\n")
     sys.exit(130)

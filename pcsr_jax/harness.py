@@ -12,7 +12,9 @@ SIGINT/SIGTERM (orbax for the state, an atomically replaced JSON for the rest);
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -64,6 +66,19 @@ class RunConfig:
   corruption_seed: int = 0
 
   def validate(self) -> None:
+    """Every value checked before any work starts: one line naming the flag on the first bad one."""
+    if not self.methods:
+      raise UserError("--methods: no method given")
+    if self.dataset in datasets.REGISTRY and datasets.REGISTRY[self.dataset].has_severity and not self.corruptions:
+      raise UserError("--corruptions: no corruption given")
+    if not self.seeds or any(not isinstance(s, int) or s < 0 for s in self.seeds):
+      raise UserError(f"--seeds: expected non-negative integers, got {','.join(map(str, self.seeds))}")
+    if self.workers is not None and self.workers < 1:
+      raise UserError(f"--workers: expected a positive integer, got {self.workers}")
+    if not (isinstance(self.imbalance_ratio, (int, float)) and math.isfinite(self.imbalance_ratio)
+            and self.imbalance_ratio >= 1):
+      raise UserError(f"--imbalance-ratio: expected a number >= 1 (1: uniform), got {self.imbalance_ratio}")
+    check_output_dir(self.output)
     for m in self.methods:
       if m not in methods.REGISTRY:
         raise UserError(f"--methods: unknown method '{m}': expected some of {', '.join(methods.REGISTRY)}")
@@ -90,6 +105,22 @@ class RunConfig:
       raise UserError("--batch-size, --limit and --checkpoint-every must be positive")
     if self.setting == "bs1" and self.batch_size != 1:
       self.batch_size = 1  # the bs1 setting *is* batch size 1
+
+
+def check_output_dir(path: str) -> None:
+  """The output directory must be creatable and writable (checked before any work, not after a method ran)."""
+  if not path:
+    raise UserError("--output: empty path")
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise UserError(f"--output {path}: exists and is not a directory")
+  try:
+    os.makedirs(path, exist_ok=True)
+    probe = os.path.join(path, f".write_test_{os.getpid()}")
+    with open(probe, "w"):
+      pass
+    os.remove(probe)
+  except OSError as e:
+    raise UserError(f"--output {path}: not writable ({e.strerror or type(e).__name__})") from None
 
 
 def versions() -> dict[str, str]:
@@ -131,8 +162,12 @@ class Resume:
   def load(self) -> Optional[RunProgress]:
     if not os.path.isfile(self.path):
       return None
-    with open(self.path) as f:
-      return RunProgress.from_json(json.load(f))
+    try:
+      with open(self.path) as f:
+        return RunProgress.from_json(json.load(f))
+    except (OSError, ValueError, TypeError, KeyError) as e:
+      raise UserError(f"{self.path}: saved progress is damaged ({type(e).__name__}); rerun without --resume to "
+                      f"start over") from None
 
   def save(self, progress: RunProgress, host_state: Any = None) -> None:
     """Writes the progress (and the adaptation state, if given) so that a crash at any point leaves a
@@ -158,8 +193,13 @@ class Resume:
   def restore_state(self, progress: RunProgress, template: Any) -> Any:
     import orbax.checkpoint as ocp
 
-    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ck:
-      return ck.restore(os.path.join(self.dir, progress.state_dir), args=ocp.args.StandardRestore(template))
+    path = os.path.join(self.dir, progress.state_dir or "state_missing")
+    try:
+      with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ck:
+        return ck.restore(path, args=ocp.args.StandardRestore(template))
+    except Exception as e:  # deleted, truncated or foreign: tensorstore / orbax / ValueError
+      raise UserError(f"{path}: saved adaptation state is damaged or missing ({type(e).__name__}); rerun without "
+                      f"--resume to start over") from None
 
   def clear(self) -> None:
     shutil.rmtree(self.dir, ignore_errors=True)
@@ -244,15 +284,25 @@ class RunProgress:
   unit: Optional[UnitProgress] = None
   throughput: dict = dataclasses.field(default_factory=dict)
   state_dir: Optional[str] = None
+  data_key: str = ""  # a digest of the ordered stream items: resuming over changed data is refused
 
   def to_json(self) -> dict:
     return dict(dataclasses.asdict(self), unit=self.unit.to_json() if self.unit else None)
 
   @staticmethod
-  def from_json(d: dict) -> "RunProgress":
-    fields = {f.name for f in dataclasses.fields(RunProgress)}
-    prog = RunProgress(**{k: v for k, v in d.items() if k in fields})
-    prog.unit = UnitProgress.from_json(d["unit"]) if d.get("unit") else None
+  def from_json(d: Any) -> "RunProgress":
+    """Raises TypeError/KeyError/ValueError on anything that is not a progress record of this version."""
+    types = dict(config_key=str, records=list, curves=dict, skipped=list, done=list, throughput=dict,
+                 data_key=str)
+    if not isinstance(d, dict) or not all(isinstance(d[k], t) for k, t in types.items()):
+      raise TypeError("not a progress record")
+    prog = RunProgress(**{k: d[k] for k in types}, state_dir=d.get("state_dir"))
+    if d.get("unit") is not None:
+      if not isinstance(d["unit"], dict):
+        raise TypeError("unit is not an object")
+      prog.unit = UnitProgress.from_json(d["unit"])
+      if not isinstance(prog.unit.key, str) or not isinstance(prog.unit.counts, dict):
+        raise TypeError("unit of the wrong type")
     return prog
 
 
@@ -313,16 +363,22 @@ def _setup(cfg: RunConfig, log) -> _Setup:
   resume = Resume(cfg.output)
   config_json = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
   key = _config_key(config_json)
+  data_key = _data_key(srcs)
   progress = resume.load() if cfg.resume else None
   if progress is not None and progress.config_key != key:
     raise UserError(f"{resume.path}: saved progress is from a different configuration; drop --resume or "
                     f"use another --output")
+  if progress is not None and progress.data_key != data_key:
+    raise UserError(f"{resume.path}: the data changed since the progress was saved (images added, removed or "
+                    f"relabelled); rerun without --resume to start over")
   if progress is None:
+    if os.path.isfile(resume.path):
+      log(f"discarding the saved progress in {resume.dir} (pass --resume to continue it)")
     resume.clear()
     for name in ("results.json", "results.csv", "table.md"):  # never leave a stale "complete" result behind
       if os.path.exists(os.path.join(cfg.output, name)):
         os.remove(os.path.join(cfg.output, name))
-    progress = RunProgress(config_key=key)
+    progress = RunProgress(config_key=key, data_key=data_key)
   elif progress.unit or progress.done:
     u = progress.unit
     log(f"resuming from {resume.path}: {len(progress.done)} runs done" +
@@ -356,6 +412,15 @@ def _run_seed(setup: _Setup, seed: int, stop: "_Stop", log) -> bool:
 def _write_outputs(setup: _Setup, log) -> dict:
   cfg, progress = setup.cfg, setup.progress
   records = progress.records
+  # Nothing claims completion unless every planned (method, seed, domain) record exists.
+  have = {(r["method"], r["seed"], r["corruption"]) for r in records}
+  missing = [(m, s, d) for s in cfg.seeds for m in cfg.methods for d in setup.names if (m, s, d) not in have]
+  if missing:
+    m, s, d = missing[0]
+    lost = sum(n.startswith(f"{d}/") for n in progress.skipped)
+    raise UserError(f"no image of {d} was evaluated for {m} seed {s} ({lost} unreadable, "
+                    f"{len(missing)} of {len(cfg.seeds) * len(cfg.methods) * len(setup.names)} planned results "
+                    f"missing): nothing written")
   tbl = results.table(records, setup.names, cfg.methods)
   extra = dict(versions=versions(), skipped=progress.skipped, decode_images_per_s=setup.decode_ips,
                throughput=progress.throughput, curves=progress.curves)
@@ -376,6 +441,16 @@ def _write_outputs(setup: _Setup, log) -> dict:
   log(f"wrote {cfg.output}/results.json, results.csv, table.md, {', '.join(os.path.basename(p) for p in plots)}")
   return dict(records=records, curves=progress.curves, skipped=progress.skipped, table=tbl,
               decode_images_per_s=setup.decode_ips, throughput=progress.throughput)
+
+
+def _data_key(srcs: list) -> str:
+  """A digest of every stream item in order (name and label): what --resume must find unchanged."""
+  h = hashlib.sha256()
+  for src in srcs:
+    h.update(f"{len(src)}\n".encode())
+    h.update("\n".join(src.names).encode())
+    h.update(np.asarray(src.labels, np.int64).tobytes())
+  return h.hexdigest()
 
 
 def _config_key(config_json: dict) -> str:
@@ -423,7 +498,11 @@ def _run_unit(setup: _Setup, key: str, method_name: str, seed: int, adapter: eng
   n_batches = [-(-len(s.indices) // cfg.batch_size) for s in segments]
   bar = _Bar(cfg, key, sum(n_batches), sum(n_batches[:unit.segment]) + unit.batch, log)
   batches_since_save = 0
-  score = lambda preds, batch: unit.account(preds, batch, setup.names, setup.relabel, setup.num_classes, curve)
+  def score(preds, finite, batch, domain: str, at_batch: int) -> None:
+    if not bool(finite):  # read one step late, like the predictions
+      raise UserError(f"{key} diverged on {domain} at batch {at_batch}: non-finite logits or adapted parameters "
+                      f"(lower its learning rate in --method-args)")
+    unit.account(preds, batch, setup.names, setup.relabel, setup.num_classes, curve)
 
   for si in range(unit.segment, len(segments)):
     seg = segments[si]
@@ -432,14 +511,14 @@ def _run_unit(setup: _Setup, key: str, method_name: str, seed: int, adapter: eng
     t_seg = time.perf_counter()
     pending = None
     for batch in setup.loader.batches(seg.source_ids, seg.indices, start_batch=unit.batch):
-      progress.skipped += [f"{seg.name}/{n}" for n in batch.skipped]
+      progress.skipped += [n for n in (f"{seg.name}/{n}" for n in batch.skipped) if n not in progress.skipped]
       unit.skipped += len(batch.skipped)
       if len(batch.labels):
-        state, logits, _ = adapter.step(state, batch.images)
+        state, logits, metrics = adapter.step(state, batch.images)
         preds = logits.argmax(-1)  # stays on device; read one step later
         if pending is not None:
           score(*pending)
-        pending = (preds, batch)
+        pending = (preds, metrics["finite"], batch, seg.name, unit.batch)
       unit.batch += 1
       batches_since_save += 1
       bar.update(unit, unit.total_seconds + unit.seconds + time.perf_counter() - t_seg)

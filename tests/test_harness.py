@@ -140,7 +140,7 @@ def test_bad_input_matrix(world, tmp_path):
       assert r.returncode == 2, (expected, r.stderr)
       assert expected in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     else:
-      from experiments_imagenet_c import main
+      from pcsr_jax.experiments.imagenet_c import main
 
       with pytest.raises(UserError, match=expected.replace("(", r"\(").replace(")", r"\)")):
         main([*args, "--output", str(out), "--no-progress"])

@@ -59,7 +59,7 @@ class DatasetSpec:
 def _data_dir(cfg) -> str:
   if not os.path.isdir(cfg.data):
     raise UserError(f"{cfg.data}: data dir not found")
-  if not os.listdir(cfg.data):
+  if not sources.listdir(cfg.data):
     raise UserError(f"{cfg.data}: data dir is empty")
   return cfg.data
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 from typing import Optional, Sequence
 
 import numpy as np
@@ -22,6 +23,13 @@ from pcsr_jax.errors import UserError
 IMAGE_EXTENSIONS = (".jpeg", ".jpg", ".png", ".bmp", ".webp", ".ppm")
 
 
+def listdir(path: str) -> list[str]:
+  try:
+    return os.listdir(path)
+  except OSError as e:  # a class folder without read permission, a vanished mount
+    raise UserError(f"{path}: cannot list the folder ({e.strerror or type(e).__name__})") from None
+
+
 class FolderSource:
   """``<root>/<class>/<image>``. Class folders named by ImageNet wnids get ImageNet-1k labels;
   otherwise the sorted folder names are the classes 0..K-1."""
@@ -29,7 +37,7 @@ class FolderSource:
   def __init__(self, root: str):
     if not os.path.isdir(root):
       raise UserError(f"{root}: data folder not found")
-    classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+    classes = sorted(d for d in listdir(root) if os.path.isdir(os.path.join(root, d)))
     if not classes:
       raise UserError(f"{root}: no class folders inside (expected <root>/<wnid>/*.JPEG)")
     index = {w: i for i, w in enumerate(imagenet.wnids())}
@@ -38,7 +46,7 @@ class FolderSource:
     self.num_label_classes = len(index) if self.imagenet_labels else len(classes)
     paths, labels = [], []
     for ci, c in enumerate(classes):
-      files = sorted(f for f in os.listdir(os.path.join(root, c)) if f.lower().endswith(IMAGE_EXTENSIONS))
+      files = sorted(f for f in listdir(os.path.join(root, c)) if f.lower().endswith(IMAGE_EXTENSIONS))
       paths += [os.path.join(root, c, f) for f in files]
       labels += [index[c] if self.imagenet_labels else ci] * len(files)
     if not paths:
@@ -52,7 +60,11 @@ class FolderSource:
     return len(self.paths)
 
   def load(self, i: int) -> Image.Image:
-    with Image.open(self.paths[i]) as img:
+    path = self.paths[i]
+    # Only regular files: opening a FIFO or a device named *.JPEG would block a decode thread for good.
+    if not stat.S_ISREG(os.stat(path).st_mode):
+      raise ValueError(f"{path}: not a regular file")
+    with Image.open(path) as img:
       img.load()
       return img
 
@@ -161,7 +173,7 @@ def imagenet_c_source(root: str, corruption: str, severity: int) -> FolderSource
   """Hendrycks' ImageNet-C layout: ``<root>/<corruption>/<severity>/<wnid>/*.JPEG``."""
   if not os.path.isdir(root):
     raise UserError(f"{root}: data dir not found")
-  if not os.listdir(root):
+  if not listdir(root):
     raise UserError(f"{root}: data dir is empty")
   if not os.path.isdir(os.path.join(root, corruption)):
     raise UserError(f"{root}: corruption folder '{corruption}' not found")

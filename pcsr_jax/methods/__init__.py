@@ -9,6 +9,10 @@ new file and add a line to ``REGISTRY``.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import typing
+
 from pcsr_jax.errors import UserError, check_fields
 from pcsr_jax.methods.base import AdaptState, Method, Prepared
 from pcsr_jax.methods.pcsr import PCSR
@@ -31,7 +35,36 @@ def get(name: str, **hyperparameters) -> Method:
     raise UserError(f"unknown method '{name}': expected one of {', '.join(REGISTRY)}")
   cls, overrides = REGISTRY[name]
   check_fields(cls, hyperparameters, name, "unknown hyperparameters")
-  return cls(**{**overrides, **hyperparameters})
+  return cls(**{**overrides, **coerce(cls, hyperparameters, name)})
+
+
+def coerce(cls: type, values: dict, name: str) -> dict:
+  """Checks hyperparameters against the method's field types (from JSON: a list becomes a tuple, an int a
+  float); a wrong type or a non-finite number is a one-line error, not a TypeError inside jit."""
+  hints = typing.get_type_hints(cls)
+  out = {}
+  for k, v in values.items():
+    t = hints[k]
+    optional = typing.get_origin(t) is typing.Union and type(None) in typing.get_args(t)
+    if optional:
+      t = next(a for a in typing.get_args(t) if a is not type(None))
+    if v is None and optional:
+      out[k] = v
+    elif t is float and isinstance(v, (int, float)) and not isinstance(v, bool):
+      if not math.isfinite(v):
+        raise UserError(f"{name} {k}: expected a finite number, got {v}")
+      out[k] = float(v)
+    elif t in (int, bool, str) and type(v) is t:
+      out[k] = v
+    elif typing.get_origin(t) is tuple and isinstance(v, (list, tuple)) and all(
+        type(x) is typing.get_args(t)[0] for x in v):
+      out[k] = tuple(v)
+    elif dataclasses.is_dataclass(t) and isinstance(v, (dict, t)):
+      out[k] = v
+    else:
+      want = getattr(t, "__name__", str(t))
+      raise UserError(f"{name} {k}: expected {'None or ' if optional else ''}{want}, got {v!r}")
+  return out
 
 
 __all__ = ["AdaptState", "Method", "PCSR", "Prepared", "REGISTRY", "SAR", "Source", "Tent", "get"]

@@ -22,6 +22,11 @@ def convert_checkpoint(src: str, out: str, arch: str | None = None, num_classes:
   """
   if os.path.exists(out) and not force:  # fail before the (possibly slow) read
     raise UserError(f"{os.path.abspath(out)}: output dir exists (pass --force to overwrite)")
+  parent = os.path.dirname(os.path.abspath(out))
+  while not os.path.exists(parent):  # the nearest existing ancestor is where the new folders will go
+    parent = os.path.dirname(parent)
+  if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+    raise UserError(f"--out {out}: {parent} is not a writable directory")
   if verify:
     try:
       import timm  # noqa: F401

@@ -17,6 +17,7 @@ preprocessing metadata a converted checkpoint carries.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Mapping
 
@@ -43,6 +44,9 @@ def infer_config(sd: Mapping[str, np.ndarray], src: str = "checkpoint", arch: st
   for k in ("patch_embed.proj.weight", "pos_embed", "cls_token"):
     if k not in sd:
       raise UserError(f"{src}: missing key '{k}': not a timm VisionTransformer state dict")
+  for k, rank in (("patch_embed.proj.weight", 4), ("pos_embed", 3), ("cls_token", 3)):
+    if np.ndim(sd[k]) != rank:
+      raise UserError(f"{src}: '{k}' has shape {tuple(np.shape(sd[k]))}, expected rank {rank}")
   w = sd["patch_embed.proj.weight"]
   d, in_chans, patch = w.shape[0], w.shape[1], w.shape[2]
   n = sd["pos_embed"].shape[1] - 1
@@ -96,6 +100,9 @@ def check_state_dict(sd: Mapping[str, np.ndarray], cfg: ViTConfig, src: str = "c
     if tuple(sd[k].shape) != shape:
       raise UserError(f"{src}: shape mismatch for '{k}': checkpoint {tuple(sd[k].shape)}, "
                       f"{cfg.name} expects {shape}")
+  bad = [k for k in exp if not np.isfinite(sd[k]).all()]
+  if bad:
+    raise UserError(f"{src}: {len(bad)} tensors hold NaN or inf (e.g. '{bad[0]}')")
 
 
 def timm_to_flax(sd: Mapping[str, np.ndarray], cfg: ViTConfig, src: str = "checkpoint") -> dict:
@@ -157,6 +164,8 @@ def preprocessing_meta(cfg: ViTConfig, pretrained_cfg: Mapping[str, Any] | None 
   meta["mean"], meta["std"] = [float(v) for v in meta["mean"]], [float(v) for v in meta["std"]]
   if len(meta["mean"]) != cfg.in_chans or len(meta["std"]) != cfg.in_chans:
     raise UserError(f"--mean/--std: expected {cfg.in_chans} values each")
+  if not all(math.isfinite(v) for v in meta["mean"] + meta["std"]) or min(meta["std"]) <= 0:
+    raise UserError(f"--mean/--std: expected finite values and std > 0, got mean {meta['mean']} std {meta['std']}")
   if meta["interpolation"] not in ("bicubic", "bilinear", "nearest", "lanczos"):
     raise UserError(f"--interpolation: expected bicubic, bilinear, nearest or lanczos, got '{meta['interpolation']}'")
   if not 0.0 < float(meta["crop_pct"]) <= 1.0:

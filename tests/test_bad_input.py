@@ -1,0 +1,262 @@
+"""Hostile input and broken state: every class of fault ends in a one-line error (exit 2) or a correct run.
+
+One test per class: damaged checkpoints, flag values, output paths, diverging streams, nothing evaluated,
+resume over changed data or damaged state, unreadable folders and FIFOs, and convert_weights.py's inputs.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import harness_fixtures as hf
+from pcsr_jax import checkpoint, harness
+from pcsr_jax.errors import UserError
+from pcsr_jax.experiments.imagenet_c import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CORR = ("gaussian_noise", "fog")
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+  root = tmp_path_factory.mktemp("hostile")
+  hf.make_imagenet_c(str(root / "data"), corruptions=CORR, classes=2, per_class=4)
+  hf.make_checkpoint(str(root / "ckpt"))
+  return root
+
+
+def run(world, out, *flags, data=None, ckpt=None):
+  return main(["--data", str(data or world / "data"), "--checkpoint", str(ckpt or world / "ckpt"), "--output",
+               str(out), "--seeds", "1", "--batch-size", "4", "--no-progress", "--corruptions", ",".join(CORR),
+               *flags])
+
+
+def fails(match, world, out, *flags, **kw):
+  with pytest.raises(UserError, match=match) as e:
+    run(world, out, *flags, **kw)
+  assert "\n" not in str(e.value)
+  assert not os.path.exists(os.path.join(str(out), "results.json"))  # nothing claims completion
+
+
+def edit_meta(ckpt_dir, **changes):
+  path = os.path.join(ckpt_dir, "meta", "metadata")
+  with open(path) as f:
+    meta = json.load(f)
+  for k, v in changes.items():
+    if k.startswith("model."):
+      meta["model"][k[6:]] = v
+    else:
+      meta[k] = v
+  with open(path, "w") as f:
+    json.dump(meta, f)
+
+
+def copy_ckpt(world, tmp_path, name):
+  dst = str(tmp_path / name)
+  shutil.copytree(str(world / "ckpt"), dst)
+  return dst
+
+
+def test_damaged_checkpoints(world, tmp_path):
+  c = copy_ckpt(world, tmp_path, "depth")
+  edit_meta(c, **{"model.depth": 1})  # params hold 2 blocks: the second would be ignored silently
+  fails("params do not match the metadata's model", world, tmp_path / "o1", ckpt=c)
+  c = copy_ckpt(world, tmp_path, "size")
+  edit_meta(c, img_size=64)
+  fails("img_size 64 but its model config 32", world, tmp_path / "o2", ckpt=c)
+  c = copy_ckpt(world, tmp_path, "arch")
+  edit_meta(c, arch="vit_base_patch16_224")
+  fails("arch vit_base_patch16_224 but its model config", world, tmp_path / "o2b", ckpt=c)
+  c = copy_ckpt(world, tmp_path, "std")
+  edit_meta(c, std=[0.5, 0.0, 0.5])
+  fails("'std' must be positive", world, tmp_path / "o3", ckpt=c)
+  c = copy_ckpt(world, tmp_path, "notjson")
+  with open(os.path.join(c, "meta", "metadata"), "w") as f:
+    f.write("{not json")
+  fails("checkpoint metadata unreadable", world, tmp_path / "o4", ckpt=c)
+  c = copy_ckpt(world, tmp_path, "trunc")
+  for p in glob.glob(os.path.join(c, "params", "**", "d", "*"), recursive=True):
+    with open(p, "r+b") as f:
+      f.truncate(10)
+  fails("checkpoint params unreadable", world, tmp_path / "o5", ckpt=c)
+  c = copy_ckpt(world, tmp_path, "nodata")
+  shutil.rmtree(os.path.join(c, "params", "d"))
+  fails("checkpoint params unreadable", world, tmp_path / "o6", ckpt=c)
+  # Through the real CLI: one line on stderr, although orbax's failed async read leaves callbacks behind.
+  c = copy_ckpt(world, tmp_path, "manifest")
+  with open(os.path.join(c, "params", "manifest.ocdbt"), "w") as f:
+    f.write("garbage")
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "imagenet_c.py"), "--data",
+                      str(world / "data"), "--checkpoint", c, "--output", str(tmp_path / "o_cli"), "--corruptions",
+                      "fog"], capture_output=True, text=True, timeout=300)
+  assert r.returncode == 2 and "checkpoint params unreadable" in r.stderr, r.stderr[-2000:]
+  assert len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
+  # NaN weights: saved through the real writer.
+  model, params, meta = checkpoint.load(str(world / "ckpt"))
+  params["blocks_0"]["attn"]["qkv"]["kernel"][0, 0] = np.nan
+  c = checkpoint.save(str(tmp_path / "nan"), params, meta)
+  fails(r"1 param arrays hold NaN or inf \(e.g. blocks_0/attn/qkv/kernel\)", world, tmp_path / "o7", ckpt=c)
+
+
+def test_flag_values(world, tmp_path):
+  for match, flags in (("--corruptions: no corruption given", ["--corruptions", ","]),
+                       ("--methods: no method given", ["--methods", ","]),
+                       ("--seeds: expected non-negative integers", ["--seeds", "-1"]),
+                       ("--workers: expected a positive integer", ["--workers", "-2"]),
+                       ("--imbalance-ratio: expected a number >= 1", ["--imbalance-ratio", "-1"]),
+                       ("tent lr: expected None or float, got 'fast'", ["--method-args", '{"tent": {"lr": "fast"}}']),
+                       ("tent lr: expected a finite number, got nan", ["--method-args", '{"tent": {"lr": NaN}}']),
+                       ("--eval-order perturbed: not available for source", ["--eval-order", "perturbed"])):
+    fails(match, world, tmp_path / "out", *flags)
+
+
+def test_output_paths(world, tmp_path):
+  (tmp_path / "afile").write_text("x")
+  fails("exists and is not a directory", world, tmp_path / "afile")
+  fails("not writable", world, tmp_path / "afile" / "under")
+  fails("--output: empty path", world, "")
+
+
+def test_divergence_stops_the_run(world, tmp_path):
+  # A learning rate this large drives TENT's LayerNorms to inf/NaN within a few steps.
+  fails(r"tent/seed1 diverged on \w+ at batch \d+: non-finite logits", world, tmp_path / "o", "--methods", "tent",
+        "--method-args", '{"tent": {"lr": 1e30}}', "--corruptions", "fog")
+
+
+def test_nothing_evaluated_is_an_error(world, tmp_path):
+  data = tmp_path / "data"
+  shutil.copytree(str(world / "data"), str(data))
+  for p in glob.glob(str(data / "fog" / "5" / "*" / "*.JPEG")):
+    with open(p, "wb") as f:
+      f.write(b"not a jpeg")
+  fails(r"no image of fog was evaluated for source seed 1 \(8 unreadable", world, tmp_path / "o", "--methods",
+        "source", data=data)
+
+
+def test_skipped_images_are_counted_once(world, tmp_path, capsys):
+  data = tmp_path / "data"
+  shutil.copytree(str(world / "data"), str(data))
+  bad = sorted(glob.glob(str(data / "fog" / "5" / "*" / "*.JPEG")))[0]
+  with open(bad, "wb") as f:
+    f.write(b"broken")
+  res = harness.run(harness.RunConfig(data=str(data), checkpoint=str(world / "ckpt"), output=str(tmp_path / "o"),
+                                      corruptions=CORR, methods=("source", "tent"), seeds=(1, 2), batch_size=4,
+                                      progress=False), log=print)
+  assert len(res["skipped"]) == 1
+  assert "skipped 1 unreadable images" in capsys.readouterr().out
+  assert {r["num_skipped"] for r in res["records"] if r["corruption"] == "fog"} == {1}
+
+
+def test_resume_refuses_changed_data_and_damaged_state(world, tmp_path):
+  data = tmp_path / "data"
+  shutil.copytree(str(world / "data"), str(data))
+  out = tmp_path / "o"
+  cfg = dict(data=str(data), checkpoint=str(world / "ckpt"), output=str(out), corruptions=CORR, methods=("tent",),
+             seeds=(1,), batch_size=4, progress=False, checkpoint_every=1)
+  # Stop after the first saved batch, as SIGTERM would, and keep the saved progress.
+  calls = []
+
+  def stop_after_one(*a):
+    calls.append(1)
+    if len(calls) == 2:
+      os.kill(os.getpid(), signal.SIGTERM)
+  orig = harness.Resume.save
+  harness.Resume.save = lambda self, progress, host_state=None: (orig(self, progress, host_state), stop_after_one())
+  try:
+    with pytest.raises(SystemExit):
+      harness.run(harness.RunConfig(**cfg), log=lambda *a: None)
+  finally:
+    harness.Resume.save = orig
+  progress_json = out / "resume" / "progress.json"
+  assert progress_json.exists()
+  saved = progress_json.read_text()
+  # The data changed while interrupted: one image removed, another added.
+  victim = sorted(glob.glob(str(data / "fog" / "5" / "*" / "*.JPEG")))[-1]
+  moved = victim + ".bak"
+  os.rename(victim, moved)
+  with pytest.raises(UserError, match="the data changed since the progress was saved"):
+    harness.run(harness.RunConfig(**cfg, resume=True), log=lambda *a: None)
+  os.rename(moved, victim)
+  # Garbage or wrongly typed progress.
+  for text in ("{garbage", json.dumps([1, 2]), json.dumps({**json.loads(saved), "done": 5})):
+    progress_json.write_text(text)
+    with pytest.raises(UserError, match="saved progress is damaged.*rerun without --resume"):
+      harness.run(harness.RunConfig(**cfg, resume=True), log=lambda *a: None)
+  # A deleted state directory.
+  progress_json.write_text(saved)
+  for d in glob.glob(str(out / "resume" / "state_*")):
+    shutil.rmtree(d)
+  with pytest.raises(UserError, match="saved adaptation state is damaged or missing"):
+    harness.run(harness.RunConfig(**cfg, resume=True), log=lambda *a: None)
+  # Without --resume the saved progress is discarded, and the run says so.
+  lines = []
+  harness.run(harness.RunConfig(**cfg), log=lines.append)
+  assert any(l.startswith("discarding the saved progress") for l in lines)
+
+
+def test_unreadable_class_folder_and_fifo(world, tmp_path):
+  data = tmp_path / "data"
+  shutil.copytree(str(world / "data"), str(data))
+  wnid_dir = sorted((data / "fog" / "5").iterdir())[0]
+  fifo = wnid_dir / "ILSVRC2012_val_99999999.JPEG"
+  os.mkfifo(str(fifo))
+  t0 = time.time()
+  res = harness.run(harness.RunConfig(data=str(data), checkpoint=str(world / "ckpt"), output=str(tmp_path / "o"),
+                                      corruptions=("fog",), methods=("source",), seeds=(1,), batch_size=4,
+                                      progress=False), log=lambda *a: None)
+  assert time.time() - t0 < 120 and res["skipped"] == [f"fog/{wnid_dir.name}/{fifo.name}"]  # skipped, no hang
+  os.remove(str(fifo))
+  if os.geteuid() != 0:  # root reads any folder: the permission case only exists for other users
+    os.chmod(str(wnid_dir), 0)
+    try:
+      fails("cannot list the folder", world, tmp_path / "o2", "--corruptions", "fog", data=data)
+    finally:
+      os.chmod(str(wnid_dir), stat.S_IRWXU)
+  else:
+    from pcsr_jax.data import sources
+
+    with pytest.raises(UserError, match="cannot list the folder"):  # the same guard, on a path that is a file
+      sources.listdir(str(fifo.parent / "ILSVRC2012_val_00000000.JPEG"))
+
+
+@pytest.mark.torch
+def test_convert_weights_bad_tensors(tmp_path):
+  from safetensors.numpy import save_file
+
+  from pcsr_jax.models import configs
+  from pcsr_jax.weights import flax_to_timm
+  from pcsr_jax.models import create, init_params
+  import jax
+
+  cfg = configs.get_config("vit_tiny_patch16_224", 10)
+  sd = {k: np.asarray(v) for k, v in flax_to_timm(jax.tree.map(np.asarray, init_params(create(cfg),
+                                                                                      jax.random.key(0)))).items()}
+
+  def convert(name, tensors, *flags, out=None):
+    save_file(tensors, str(tmp_path / f"{name}.safetensors"))
+    return subprocess.run([sys.executable, os.path.join(ROOT, "convert_weights.py"),
+                           str(tmp_path / f"{name}.safetensors"), "--out", str(out or tmp_path / f"out_{name}"),
+                           *flags], capture_output=True, text=True, timeout=300)
+
+  rank1 = dict(sd, **{"patch_embed.proj.weight": sd["patch_embed.proj.weight"].reshape(-1)})
+  nan = dict(sd, **{"head.bias": np.full_like(sd["head.bias"], np.nan)})
+  (tmp_path / "afile").write_text("x")
+  for name, tensors, flags, out, msg in (
+      ("rank1", rank1, [], None, "'patch_embed.proj.weight' has shape"),
+      ("nan", nan, [], None, "1 tensors hold NaN or inf (e.g. 'head.bias')"),
+      ("std0", sd, ["--std", "0,0,0"], None, "expected finite values and std > 0"),
+      ("under", sd, [], tmp_path / "afile" / "ckpt", "is not a writable directory")):
+    r = convert(name, tensors, *flags, out=out)
+    assert r.returncode == 2 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, (name, r.stderr)
+    assert not os.path.exists(str(out or tmp_path / f"out_{name}"))
