@@ -16,6 +16,7 @@ Usage::
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from typing import Any, Mapping
@@ -128,6 +129,9 @@ def load(directory: str) -> tuple[VisionTransformer, dict, dict[str, Any]]:
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
       params = ckptr.restore(directory, args=ocp.args.Composite(params=ocp.args.StandardRestore()))["params"]
   except Exception as e:  # a truncated or deleted array file, a damaged _METADATA: tensorstore / orbax errors
+    # The failed restore leaves orbax's other read tasks with exceptions nobody retrieves; asyncio would log
+    # each one (a traceback) when it is collected. The error below says all there is to say.
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     raise _damaged(directory, "checkpoint params unreadable", e) from None
   params = jax.tree.map(lambda a: np.asarray(a, np.float32), params)
   check_params(params, cfg, directory)

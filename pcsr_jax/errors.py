@@ -34,11 +34,13 @@ def run_cli(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[s
     code = main(argv)
   except UserError as e:
     prog = sys.argv[0].rsplit("/", 1)[-1] if sys.argv and sys.argv[0] else "pcsr_jax"
-    sys.stderr.write(f"{prog}: error: {e}\n")
     sys.stdout.flush()
     sys.stderr.flush()
-    # Exit now: a failed orbax/tensorstore read leaves async callbacks that would print thread tracebacks
-    # during interpreter shutdown, burying the one line above.
+    # Only this line: a failed orbax/tensorstore read leaves callbacks in other threads that print tracebacks
+    # as the process winds down. Point stderr at /dev/null first, write the line to a copy, exit at once.
+    line = os.dup(2)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+    os.write(line, f"{prog}: error: {e}\n".encode())
     os._exit(2)
   except KeyboardInterrupt:
     sys.stderr.write("interrupted\n")
