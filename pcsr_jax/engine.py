@@ -65,9 +65,7 @@ class Adapter:
     frozen, trainable = split(self.prep.params, self.prep.is_trainable)
     opt_state = self.prep.tx.init(trainable)
     state = AdaptState(trainable=trainable, opt_state=opt_state, step=jnp.zeros((), jnp.int32), rng=state_rng,
-                       ema=jnp.zeros((), jnp.float32), ema_valid=jnp.zeros((), bool),
-                       resets=jnp.zeros((), jnp.int32),
-                       source=(trainable, opt_state) if self.prep.keeps_source else None)
+                       resets=jnp.zeros((), jnp.int32), extra=method.init_extra(self.prep, trainable, opt_state))
     self._replicated = NamedSharding(self.mesh, P())
     self._batch_sharding = NamedSharding(self.mesh, P("data"))
     self.frozen = jax.device_put(frozen, self._replicated)

@@ -85,7 +85,7 @@ def test_perturbed_eval_order_is_the_second_forward():
 def test_same_seed_is_bit_identical(name):
   a = run(methods.get(name), n=3, seed=7, fresh=True)  # two independent adapters
   b = run(methods.get(name), n=3, seed=7, fresh=True)
-  keys = lambda s: jax.tree.leaves((s.trainable, s.opt_state, s.ema, s.step))
+  keys = lambda s: jax.tree.leaves((s.trainable, s.opt_state, s.extra, s.step))
   for x, y in zip(keys(a[1]), keys(b[1])):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   for (_, la, _), (_, lb, _) in zip(a[3], b[3]):

@@ -161,7 +161,7 @@ def test_sar_reset_restores_params_and_keeps_sams_inner_momentum():
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
   assert any(np.abs(a).max() > 0 for a in _leaves(state.opt_state))
   assert any(not np.allclose(a, b) for a, b in zip(_leaves(state.opt_state), _leaves(never.opt_state)))
-  assert bool(state.ema_valid)  # SAR's code writes the pre-reset EMA back
+  assert bool(state.extra.valid)  # SAR's code writes the pre-reset EMA back
   # reset_optimizer="all": the optimizer state is cleared with the params (what we did before).
   _, cleared_opt, _, _ = run(methods.get("sar", skip_blocks=(), reset_constant=100.0, reset_optimizer="all"), n=2)
   for a, b in zip(_leaves(cleared_opt.opt_state) + _leaves(cleared_opt.trainable),
@@ -169,7 +169,7 @@ def test_sar_reset_restores_params_and_keeps_sams_inner_momentum():
     np.testing.assert_array_equal(a, b)
   _, cleared, _, _ = run(methods.get("sar", skip_blocks=(), reset_constant=100.0,
                                      clear_ema_on_reset=True), n=1)
-  assert not bool(cleared.ema_valid)
+  assert not bool(cleared.extra.valid)
 
 
 def test_sar_no_reset_above_threshold():
@@ -262,3 +262,19 @@ def test_pcsr_variants_in_registry():
     methods.get("pcsr", recipe="text")
   with pytest.raises(UserError, match="reset_optimizer"):
     methods.get("sar", reset_optimizer="some")
+
+
+def test_method_owned_state_is_carried_and_round_trips():
+  """A method's own state (AdaptState.extra) starts from init_extra, moves with the stream and survives the
+  host round trip the harness checkpoints through, bit for bit."""
+  assert run(methods.get("tent"), n=1)[1].extra is None
+  ad, state, _, out = run(methods.get("sar", skip_blocks=()), n=3)
+  assert isinstance(state.extra, methods.base.Recovery) and bool(state.extra.valid)
+  np.testing.assert_allclose(float(state.extra.ema), float(out[-1][2]["ema"]), rtol=0)
+  host = ad.state_to_host(state)
+  back = ad.state_to_host(ad.state_from_host(host))
+  assert jax.tree.structure(back) == jax.tree.structure(host)
+  for a, b in zip(_leaves(back), _leaves(host)):
+    np.testing.assert_array_equal(a, b)
+  assert run(methods.get("pcsr-frozen"), n=1)[1].extra is None
+  assert isinstance(run(methods.get("pcsr-frozen", reset=True), n=1)[1].extra, methods.base.Recovery)

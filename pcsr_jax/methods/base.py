@@ -1,10 +1,12 @@
 """The interface every online TTA method implements, and the state it carries.
 
-A method is a frozen dataclass with two jobs:
+A method is a frozen dataclass with three jobs:
 
 * `Method.prepare` says *what* adapts: it may add modules to the model (PCSR
   adds its recalibrators), returns the full params, a predicate over parameter
   paths that marks the trainable ones, and the optax transformation.
+* `Method.init_extra` gives the method's own state (`AdaptState.extra`, e.g.
+  SAR's `Recovery`), carried, donated, checkpointed and resumed like the rest.
 * `Method.update` says *how*: a pure function of the frozen params, the state
   and a batch (with a validity mask for padding) that returns the new state,
   the logits of the forward that computed the loss (the "before the update"
@@ -40,20 +42,32 @@ Path = tuple[str, ...]
 class AdaptState:
   """Everything that changes along a stream (a pytree; donated to every step).
 
-  ``source`` holds the trainable params and optimizer state to restore on an
-  in-step reset (SAR's model recovery); it is ``None`` for methods that never
-  reset themselves. ``ema`` / ``ema_valid`` hold SAR's moving average of the
-  second-pass loss (``ema_valid`` False = PyTorch's ``None``).
+  ``extra`` is the method's own state (`Method.init_extra`): any pytree, which
+  the engine carries, donates and places, and the harness checkpoints and
+  resumes with the rest (SAR's `Recovery`; ``None`` for methods without one).
+  ``resets`` counts in-step recoveries, reported per domain in the records.
   """
 
   trainable: Params
   opt_state: Any
   step: Array
   rng: Array
-  ema: Array
-  ema_valid: Array
   resets: Array
-  source: Any = None
+  extra: Any = None
+
+
+@flax.struct.dataclass
+class Recovery:
+  """SAR's model recovery state: the EMA of the second-pass loss (``valid`` False = PyTorch's ``None``) and
+  the trainable params and optimizer state a reset returns to."""
+
+  ema: Array
+  valid: Array
+  source: Any
+
+  @staticmethod
+  def init(trainable: Params, opt_state: Any) -> "Recovery":
+    return Recovery(ema=jnp.zeros((), jnp.float32), valid=jnp.zeros((), bool), source=(trainable, opt_state))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +78,6 @@ class Prepared:
   params: Params
   is_trainable: Callable[[Path], bool]
   tx: optax.GradientTransformation
-  keeps_source: bool = False  # store the initial trainable/opt state in the state for in-step resets
   parts: Mapping[str, optax.GradientTransformation] = dataclasses.field(default_factory=dict)  # of a `parallel` tx
 
 
@@ -138,24 +151,25 @@ def recover(old: AdaptState, new: AdaptState, loss: Array, has_loss: Array, deca
 
   ``ema = decay * ema + (1 - decay) * loss`` (the first loss initializes it; a
   batch without a loss, ``has_loss`` False, leaves it alone). If ``ema <
-  threshold`` the trainable params go back to ``old.source[0]`` and the
-  optimizer state to ``opt_on_reset``: by default ``old.source[1]``, the
+  threshold`` the trainable params go back to ``old.extra.source[0]`` (a
+  `Recovery`) and the optimizer state to ``opt_on_reset``: by default ``old.extra.source[1]``, the
   initial state ("clear everything"). The official code restores only what its
   ``optimizer.load_state_dict`` calls restore: a method passes the state that
   results (for SAM, ``new.opt_state`` itself: the momentum lives in SAM's inner
   SGD, whose state SAM's ``state_dict`` does not hold). ``clear_ema`` forgets
   the EMA on a reset.
   """
-  ema = jnp.where(old.ema_valid, decay * old.ema + (1 - decay) * loss, loss)
-  ema = jnp.where(has_loss, ema, old.ema)
-  ema_valid = old.ema_valid | has_loss
-  reset = ema_valid & (ema < threshold)
+  rec = old.extra
+  ema = jnp.where(rec.valid, decay * rec.ema + (1 - decay) * loss, loss)
+  ema = jnp.where(has_loss, ema, rec.ema)
+  valid = rec.valid | has_loss
+  reset = valid & (ema < threshold)
   if clear_ema:
-    ema_valid = ema_valid & ~reset
-  opt_on_reset = old.source[1] if opt_on_reset is None else opt_on_reset
-  state = new.replace(trainable=tree_where(reset, old.source[0], new.trainable),
-                      opt_state=tree_where(reset, opt_on_reset, new.opt_state), ema=ema, ema_valid=ema_valid,
-                      resets=old.resets + reset.astype(jnp.int32))
+    valid = valid & ~reset
+  opt_on_reset = rec.source[1] if opt_on_reset is None else opt_on_reset
+  state = new.replace(trainable=tree_where(reset, rec.source[0], new.trainable),
+                      opt_state=tree_where(reset, opt_on_reset, new.opt_state),
+                      extra=rec.replace(ema=ema, valid=valid), resets=old.resets + reset.astype(jnp.int32))
   return state, reset
 
 
@@ -199,6 +213,10 @@ class Method(abc.ABC):
   def update(self, prep: Prepared, frozen: Params, state: AdaptState, images: Array,
              valid: Array) -> tuple[AdaptState, Array, dict[str, Array]]:
     """One online step: ``(state, logits_of_the_loss_forward, metrics)``."""
+
+  def init_extra(self, prep: Prepared, trainable: Params, opt_state: Any) -> Any:
+    """The method's own state at the start of a stream (a pytree, or None): see `AdaptState.extra`."""
+    return None
 
   def margin(self, num_classes: int) -> float:
     return losses.entropy_margin(num_classes, self.margin_factor)

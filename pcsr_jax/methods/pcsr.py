@@ -45,8 +45,8 @@ import optax
 
 from pcsr_jax import losses
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import (RESET_OPTIMIZER, Method, Prepared, group_sgd, is_layernorm_param, merge, parallel,
-                                   recover, sam_perturb, sar_code_lr, split)
+from pcsr_jax.methods.base import (RESET_OPTIMIZER, Method, Prepared, Recovery, group_sgd, is_layernorm_param, merge,
+                                   parallel, recover, sam_perturb, sar_code_lr, split)
 from pcsr_jax.models import pcsr
 from pcsr_jax.models.vit import init_params
 
@@ -136,13 +136,15 @@ class PCSR(Method):
                dsn=self.lr_dsn)
     if self.recipe == "frozen":
       tx = group_sgd(lrs, self.momentum, param_group, GROUPS)
-      return Prepared(adapted, full, is_trainable=self.is_trainable, tx=tx, keeps_source=self.reset)
+      return Prepared(adapted, full, is_trainable=self.is_trainable, tx=tx)
     sam_groups = GROUPS if self.dsn_optimizer == "sam" else ("norm", "fgn")
     parts = {"sam": group_sgd({g: lrs[g] for g in sam_groups}, self.momentum, param_group, GROUPS)}
     if self.dsn_optimizer == "separate":
       parts["sgd"] = group_sgd({"dsn": lrs["dsn"]}, self.momentum, param_group, GROUPS)
-    return Prepared(adapted, full, is_trainable=self.is_trainable, tx=parallel(**parts), keeps_source=True,
-                    parts=parts)
+    return Prepared(adapted, full, is_trainable=self.is_trainable, tx=parallel(**parts), parts=parts)
+
+  def init_extra(self, prep, trainable, opt_state):
+    return Recovery.init(trainable, opt_state) if self.recipe == "sar" or self.reset else None
 
   def _loss(self, prep, frozen, trainable, images, valid, margin):
     """Eq. 9 on one forward: ``(loss, (logits, mask, entropy loss, similarity loss))``."""
@@ -187,10 +189,11 @@ class PCSR(Method):
     trainable, opt_state["sam"] = _step(prep.parts["sam"], g2, opt_state["sam"], trainable)
     new = state.replace(trainable=trainable, opt_state=opt_state, step=state.step + 1)
     # 5. Recovery: params and the plain SGD's state from the source; SAM's inner momentum survives.
-    on_reset = dict(new.opt_state, **{k: v for k, v in state.source[1].items() if k != "sam"})
+    on_reset = dict(new.opt_state, **{k: v for k, v in state.extra.source[1].items() if k != "sam"})
     new, reset = recover(state, new, loss2, jnp.any(mask2), self.ema_decay, self.reset_constant,
                          self.clear_ema_on_reset, opt_on_reset=on_reset if self.reset_optimizer == "official" else None)
-    metrics.update(loss2=loss2, num_reliable2=jnp.sum(mask2), ema=new.ema, reset=reset, perturbed_logits=logits2)
+    metrics.update(loss2=loss2, num_reliable2=jnp.sum(mask2), ema=new.extra.ema, reset=reset,
+                   perturbed_logits=logits2)
     return new, logits, metrics
 
 

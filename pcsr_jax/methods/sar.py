@@ -37,8 +37,8 @@ import jax.numpy as jnp
 
 from pcsr_jax import losses
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import (RESET_OPTIMIZER, Method, Prepared, is_layernorm_param, recover, sam_perturb,
-                                   sar_code_lr, sgd)
+from pcsr_jax.methods.base import (RESET_OPTIMIZER, Method, Prepared, Recovery, is_layernorm_param, recover,
+                                   sam_perturb, sar_code_lr, sgd)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +66,10 @@ class SAR(Method):
 
   def prepare(self, model, params, rng, batch_size):
     lr = self.lr if self.lr is not None else sar_code_lr(batch_size) * (2 if batch_size == 1 else 1)
-    return Prepared(model, params, is_trainable=self.trainable, tx=sgd(lr, self.momentum), keeps_source=True)
+    return Prepared(model, params, is_trainable=self.trainable, tx=sgd(lr, self.momentum))
+
+  def init_extra(self, prep, trainable, opt_state):
+    return Recovery.init(trainable, opt_state)
 
   def update(self, prep, frozen, state, images, valid):
     margin = self.margin(prep.model.config.num_classes)
@@ -94,5 +97,5 @@ class SAR(Method):
                            self.reset_constant, self.clear_ema_on_reset,
                            opt_on_reset=new.opt_state if self.reset_optimizer == "official" else None)
     metrics = {"loss": loss1, "loss2": loss2, "num_reliable": jnp.sum(mask1), "num_reliable2": jnp.sum(mask2),
-               "ema": state.ema, "reset": reset, "perturbed_logits": logits2}
+               "ema": state.extra.ema, "reset": reset, "perturbed_logits": logits2}
     return state, logits, metrics
