@@ -103,7 +103,7 @@ def plot(out_dir: str, records: Sequence[dict], curves: dict[str, Any], corrupti
   others = [m for m in methods if m != "source"]
   if "source" in methods and others:
     # What a reader wants first: how much each method gains over Source, per corruption and along the stream.
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(10, 0.5 * len(corruptions) * len(others) + 5), 4),
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(min(16, max(10, 0.2 * len(corruptions) * len(others) + 5)), 4.5),
                                    gridspec_kw=dict(width_ratios=[2, 1]))
     src = _accuracy(records, "source", corruptions)
     _bars(ax1, {m: _accuracy(records, m, corruptions) - src for m in others}, corruptions)
@@ -119,7 +119,7 @@ def plot(out_dir: str, records: Sequence[dict], curves: dict[str, Any], corrupti
       ax.legend(fontsize=size)
     paths.append(save(fig, "gain_over_source.png"))
 
-  fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(corruptions) * max(1, len(methods)) / 2), 4))
+  fig, ax = plt.subplots(figsize=(min(16, max(6, 0.2 * len(corruptions) * len(methods) + 3)), 4))
   _bars(ax, {m: _accuracy(records, m, corruptions) for m in methods}, corruptions)
   ax.set_ylabel("accuracy (%)")
   ax.set_ylim(0, 100)
