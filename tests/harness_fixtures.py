@@ -37,3 +37,10 @@ def make_checkpoint(path: str, cfg: ViTConfig = CKPT_CFG, seed: int = 0) -> str:
   params["head"]["kernel"] = params["head"]["kernel"] * 3.0  # some confident predictions
   meta = checkpoint.make_meta(cfg, weights.preprocessing_meta(cfg), source="random init")
   return checkpoint.save(path, params, meta)
+
+
+def make_world(root, corruptions=("gaussian_noise", "fog"), classes: int = 4, per_class: int = 5):
+  """``root/data`` (ImageNet-C layout) and ``root/ckpt`` (the tiny 1000-class checkpoint); returns ``root``."""
+  make_imagenet_c(str(root / "data"), corruptions=corruptions, classes=classes, per_class=per_class)
+  make_checkpoint(str(root / "ckpt"))
+  return root

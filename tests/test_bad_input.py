@@ -30,10 +30,7 @@ CORR = ("gaussian_noise", "fog")
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-  root = tmp_path_factory.mktemp("hostile")
-  hf.make_imagenet_c(str(root / "data"), corruptions=CORR, classes=2, per_class=4)
-  hf.make_checkpoint(str(root / "ckpt"))
-  return root
+  return hf.make_world(tmp_path_factory.mktemp("hostile"), CORR, classes=2, per_class=4)
 
 
 def run(world, out, *flags, data=None, ckpt=None):

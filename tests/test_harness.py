@@ -26,10 +26,7 @@ CORR = ("gaussian_noise", "fog")
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-  root = tmp_path_factory.mktemp("world")
-  hf.make_imagenet_c(str(root / "data"), corruptions=CORR, classes=4, per_class=5)
-  hf.make_checkpoint(str(root / "ckpt"))
-  return root
+  return hf.make_world(tmp_path_factory.mktemp("world"), CORR, classes=4, per_class=5)
 
 
 def cfg(world, out, **kw):

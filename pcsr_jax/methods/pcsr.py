@@ -176,13 +176,14 @@ class PCSR(Method):
     perturbed = sam_perturb(trainable, grads, self.rho, include=self.in_sam)
 
     # 3. Second forward at the perturbed weights: entropy only, re-filtered among the first mask.
+    other, sam_params = split(perturbed, self.in_sam)
+
     def second(sam_params):
       logits2, _ = self.forward(prep, frozen, merge(other, sam_params), images)
       ent2 = losses.entropy(logits2)
       mask2 = losses.reliable_mask(ent2, margin, mask)
       return losses.masked_mean(ent2, mask2), (logits2, mask2)
 
-    other, sam_params = split(perturbed, self.in_sam)
     (loss2, (logits2, mask2)), g2 = jax.value_and_grad(second, has_aux=True)(sam_params)
     # 4. SAM's second step: back to the unperturbed weights, SGD step with the second gradient.
     g2 = merge(jax.tree.map(jnp.zeros_like, other), g2)
