@@ -15,10 +15,14 @@ Usage::
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
 import os
+import sys
+import tempfile
+import time
 from typing import Any, Mapping
 
 import jax
@@ -112,6 +116,36 @@ def check_params(params: Any, cfg: ViTConfig, where: str) -> None:
     raise UserError(f"{where}: {len(bad)} param arrays hold NaN or inf (e.g. {'/'.join(bad[0])})")
 
 
+def _restore_params(directory: str) -> Any:
+  """orbax's restore of the params, with this process's stderr (fd 2) captured meanwhile.
+
+  When a read fails, orbax's event loop closes while its other reads are in flight; their callbacks then
+  print "Event loop is closed" tracebacks from other threads, and asyncio logs each unretrieved task as it is
+  collected. On failure that noise is dropped (after letting the reads settle) so the caller's one-line error
+  stands alone; on success whatever was printed is passed on.
+  """
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile() as buf:
+    os.dup2(buf.fileno(), 2)
+    try:
+      with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+        params = ckptr.restore(directory, args=ocp.args.Composite(params=ocp.args.StandardRestore()))["params"]
+    except Exception:
+      logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+      time.sleep(2.0)
+      gc.collect()
+      raise
+    finally:
+      os.dup2(saved, 2)
+      os.close(saved)
+    buf.seek(0)
+    printed = buf.read()
+  if printed:
+    os.write(2, printed)
+  return params
+
+
 def load(directory: str) -> tuple[VisionTransformer, dict, dict[str, Any]]:
   """Returns ``(model, params, meta)`` for a directory written by `save`, checked end to end: metadata that
   parses and is sane, params that restore, match the metadata's model exactly, and are finite."""
@@ -126,12 +160,8 @@ def load(directory: str) -> tuple[VisionTransformer, dict, dict[str, Any]]:
       raise UserError(f"{directory}: checkpoint metadata says {k} {meta[k]} but its model config "
                       f"{getattr(cfg, field)}")
   try:
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
-      params = ckptr.restore(directory, args=ocp.args.Composite(params=ocp.args.StandardRestore()))["params"]
+    params = _restore_params(directory)
   except Exception as e:  # a truncated or deleted array file, a damaged _METADATA: tensorstore / orbax errors
-    # The failed restore leaves orbax's other read tasks with exceptions nobody retrieves; asyncio would log
-    # each one (a traceback) when it is collected. The error below says all there is to say.
-    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     raise _damaged(directory, "checkpoint params unreadable", e) from None
   params = jax.tree.map(lambda a: np.asarray(a, np.float32), params)
   check_params(params, cfg, directory)
