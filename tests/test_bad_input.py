@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import harness_fixtures as hf
-from pcsr_jax import checkpoint, harness
+from pcsr_jax import checkpoint, harness, progress
 from pcsr_jax.errors import UserError
 from pcsr_jax.experiments.imagenet_c import main
 
@@ -168,13 +168,13 @@ def test_resume_refuses_changed_data_and_damaged_state(world, tmp_path):
     calls.append(1)
     if len(calls) == 2:
       os.kill(os.getpid(), signal.SIGTERM)
-  orig = harness.Resume.save
-  harness.Resume.save = lambda self, progress, host_state=None: (orig(self, progress, host_state), stop_after_one())
+  orig = progress.Resume.save
+  progress.Resume.save = lambda self, progress, host_state=None: (orig(self, progress, host_state), stop_after_one())
   try:
     with pytest.raises(SystemExit):
       harness.run(harness.RunConfig(**cfg), log=lambda *a: None)
   finally:
-    harness.Resume.save = orig
+    progress.Resume.save = orig
   progress_json = out / "resume" / "progress.json"
   assert progress_json.exists()
   saved = progress_json.read_text()

@@ -16,7 +16,7 @@ from PIL import Image
 
 import float_checks
 import harness_fixtures as hf
-from pcsr_jax import checkpoint, harness, results
+from pcsr_jax import checkpoint, harness, progress, results
 from pcsr_jax.data import sources, streams, transforms
 from pcsr_jax.errors import UserError
 
@@ -257,11 +257,11 @@ def test_progress_is_one_line_per_segment_without_a_terminal(world, tmp_path):
 
 
 def test_unit_progress_json_round_trip():
-  u = harness.UnitProgress(key="sar/seed1", segment=1, batch=3, seen=40, correct=7, skipped=1, seconds=0.5,
+  u = progress.UnitProgress(key="sar/seed1", segment=1, batch=3, seen=40, correct=7, skipped=1, seconds=0.5,
                            total_seconds=2.0, counts={"fog": [1, 2, 1, 2]}, preds={"fog": [["a"], [1], [1]]})
-  back = harness.UnitProgress.from_json(json.loads(json.dumps(u.to_json())))
+  back = progress.UnitProgress.from_json(json.loads(json.dumps(u.to_json())))
   assert back == u
-  p = harness.RunProgress(config_key="k", records=[{"a": 1}], done=["x"], unit=u, state_dir="state_1")
-  assert harness.RunProgress.from_json(json.loads(json.dumps(p.to_json()))) == p
+  p = progress.RunProgress(config_key="k", records=[{"a": 1}], done=["x"], unit=u, state_dir="state_1")
+  assert progress.RunProgress.from_json(json.loads(json.dumps(p.to_json()))) == p
   u.close_segment()
   assert (u.segment, u.batch, u.seconds, u.skipped, u.total_seconds) == (2, 0, 0.0, 0, 2.5)
