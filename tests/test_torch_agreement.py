@@ -68,6 +68,7 @@ def run_both(case, sd, xs, **jax_overrides):
     state, logits, metrics = ad.step(state, x)
     t_logits = ref.step(torch.from_numpy(x.transpose(0, 3, 1, 2))).numpy()
     trace.append(dict(jax=np.asarray(logits), torch=t_logits, reliable=int(metrics.get("num_reliable", B)),
+                      reliable2=int(metrics.get("num_reliable2", B)),
                       reset=bool(metrics.get("reset", False)), jax_ema=float(metrics.get("ema", 0.0)),
                       torch_ema=ref.ema, torch_resets=ref.resets))
   to_torch = lambda k: (f"{k[0]}.{k[1]}.{'weight' if k[2] == 'kernel' else 'bias'}" if k[0].startswith("recal_")
@@ -102,7 +103,10 @@ def test_jax_and_pytorch_agree_on_a_stream(case, setup):
   reliable = [t["reliable"] for t in trace]
   assert 0 < sum(reliable) < B * len(trace) or case == "tent", reliable  # the masks really filter
   fired = [t["reset"] for t in trace]
+  reliable2 = [t["reliable2"] for t in trace]
+  print(f"{case}: reliable per step {reliable}, after the re-filter {reliable2}, resets {[int(f) for f in fired]}")
   if case.endswith("-resets"):
+    assert any(b < a for a, b in zip(reliable, reliable2)), (reliable, reliable2)  # the second filter removes some
     # Recovery fires, and not at every step from some point on: adaptation resumes after a reset.
     assert resets == sum(fired) == trace[-1]["torch_resets"] and 0 < resets < len(trace) - 4, fired
     assert any(a and not b for a, b in zip(fired, fired[1:])), fired
