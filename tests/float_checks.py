@@ -19,16 +19,21 @@ def near_ties(logits: np.ndarray, gap: float = TIE_GAP) -> np.ndarray:
   return (top2[:, 1] - top2[:, 0]) <= gap
 
 
-def assert_predictions_match(predictions: np.ndarray, logits: np.ndarray) -> None:
-  """``predictions`` (from one program) equal ``argmax(logits)`` (from another) on every clearly decided row."""
+def _few_ties(logits: np.ndarray) -> np.ndarray:
+  """The near-tie rows, asserted to be few enough for a comparison to say something."""
   ties = near_ties(logits)
   assert ties.mean() < 0.1, f"{ties.sum()} of {len(ties)} rows are near-ties: the comparison would say little"
+  return ties
+
+
+def assert_predictions_match(predictions: np.ndarray, logits: np.ndarray) -> None:
+  """``predictions`` (from one program) equal ``argmax(logits)`` (from another) on every clearly decided row."""
+  ties = _few_ties(logits)
   np.testing.assert_array_equal(np.asarray(predictions)[~ties], np.asarray(logits).argmax(-1)[~ties])
 
 
 def assert_accuracy_matches(accuracy: float, logits: np.ndarray, labels: np.ndarray) -> None:
   """A count-based accuracy equals the direct one, up to one image per near-tie (none when there is none)."""
-  ties = near_ties(logits)
-  assert ties.mean() < 0.1, f"{ties.sum()} of {len(ties)} rows are near-ties: the comparison would say little"
+  ties = _few_ties(logits)
   direct = int((np.asarray(logits).argmax(-1) == labels).sum())
   assert abs(round(accuracy * len(labels)) - direct) <= int(ties.sum()), (accuracy * len(labels), direct, ties.sum())

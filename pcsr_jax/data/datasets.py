@@ -85,10 +85,6 @@ def _open_visda(cfg, log) -> Domains:
   return [("visda", sources.visda_source(_data_dir(cfg), cfg.image_list))]
 
 
-def _fmnist_preprocess(meta):
-  return transforms.Preprocess.from_meta(meta)
-
-
 REGISTRY: dict[str, DatasetSpec] = {s.name: s for s in (
     DatasetSpec("imagenet_c", "ImageNet-C", _open_imagenet_c, transforms.imagenet_c_preprocess,
                 corruptions=imagenet.CORRUPTIONS, heldout=imagenet.HELDOUT_CORRUPTIONS),
@@ -96,7 +92,7 @@ REGISTRY: dict[str, DatasetSpec] = {s.name: s for s in (
     DatasetSpec("imagenet_a", "ImageNet-A", _open_folder, transforms.Preprocess.from_meta, subset="imagenet_a"),
     DatasetSpec("visda", "VisDA-2021", _open_visda, transforms.visda_preprocess, open_set=True),
     DatasetSpec("folder", "image folder", _open_folder, transforms.Preprocess.from_meta),
-    DatasetSpec("fmnist_c", "Fashion-MNIST-C", _open_fmnist_c, _fmnist_preprocess,
+    DatasetSpec("fmnist_c", "Fashion-MNIST-C", _open_fmnist_c, transforms.Preprocess.from_meta,
                 corruptions=corruptions.BENCHMARK, heldout=corruptions.HELDOUT, extra_domains=("clean",)),
 )}
 NAMES = tuple(REGISTRY)
