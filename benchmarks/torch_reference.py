@@ -271,3 +271,17 @@ def load_recalibrator(rc: Recalibrator, p: Mapping[str, Any]) -> None:
       lin = getattr(rc, name)
       lin.weight.copy_(torch.from_numpy(np.asarray(p[name]["kernel"]).T.copy()))
       lin.bias.copy_(torch.from_numpy(np.asarray(p[name]["bias"]).copy()))
+
+
+ORIGINAL = ("source", "tent", "sar", "pcsr", "pcsr-frozen")  # the methods `TorchAdapter` implements
+
+
+def make_reference(method: str, model: nn.Module, batch_size: int, **kw):
+  """The PyTorch reference of ``method``: `TorchAdapter` for the original methods, else the ``Reference``
+  class of ``benchmarks/torch_methods/<method>.py`` (dashes as underscores)."""
+  if method in ORIGINAL:
+    return TorchAdapter(method, model, batch_size, **kw)
+  import importlib
+
+  module = importlib.import_module(f"benchmarks.torch_methods.{method.replace('-', '_')}")
+  return module.Reference(model, batch_size, **kw)

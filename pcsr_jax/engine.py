@@ -24,6 +24,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Optional
 
@@ -48,7 +49,7 @@ class Adapter:
   """Runs one method online over a stream of batches of a fixed size."""
 
   def __init__(self, method: Method, model, params: Any, *, batch_size: int, eval_order: Optional[str] = None,
-               mesh: Optional[Mesh] = None, seed: int = 0):
+               mesh: Optional[Mesh] = None, seed: int = 0, source_stats: Optional[dict] = None):
     if batch_size < 1:
       raise UserError(f"batch_size: expected a positive integer, got {batch_size}")
     self.method = method
@@ -62,6 +63,10 @@ class Adapter:
     self.padded_batch = math.ceil(batch_size / n_dev) * n_dev
     init_rng, state_rng = jax.random.split(jax.random.key(seed))
     self.prep = method.prepare(model, params, init_rng, batch_size)
+    if method.uses_source_data() and method.source_data == "required" and source_stats is None:
+      raise UserError(f"{method.name}: needs statistics of clean source data (--source-data)")
+    if source_stats is not None:
+      self.prep = dataclasses.replace(self.prep, consts=source_stats)
     frozen, trainable = split(self.prep.params, self.prep.is_trainable)
     opt_state = self.prep.tx.init(trainable)
     state = AdaptState(trainable=trainable, opt_state=opt_state, step=jnp.zeros((), jnp.int32), rng=state_rng,
@@ -69,11 +74,12 @@ class Adapter:
     self._replicated = NamedSharding(self.mesh, P())
     self._batch_sharding = NamedSharding(self.mesh, P("data"))
     self.frozen = jax.device_put(frozen, self._replicated)
+    self.consts = jax.device_put(self.prep.consts, self._replicated)
     self._initial = jax.device_put(state, self._replicated)
     self.num_traces = 0  # how many times the step was traced (= compiled): one per stream
-    self._step = jax.jit(self._step_impl, donate_argnums=(1,),
-                         in_shardings=(self._replicated, self._replicated, self._batch_sharding,
-                                       self._batch_sharding),
+    self._step = jax.jit(self._step_impl, donate_argnums=(2,),
+                         in_shardings=(self._replicated, self._replicated, self._replicated,
+                                       self._batch_sharding, self._batch_sharding),
                          out_shardings=(self._replicated, self._batch_sharding, self._replicated))
 
   @property
@@ -84,14 +90,15 @@ class Adapter:
     """A fresh copy of the source state (its buffers are donated to the step)."""
     return jax.tree.map(lambda x: x.copy(), self._initial)
 
-  def _step_impl(self, frozen, state: AdaptState, images, valid):
+  def _step_impl(self, frozen, consts, state: AdaptState, images, valid):
     self.num_traces += 1
-    state, logits, metrics = self.method.update(self.prep, frozen, state, images, valid)
+    prep = dataclasses.replace(self.prep, consts=consts)  # the traced statistics, not baked-in constants
+    state, logits, metrics = self.method.update(prep, frozen, state, images, valid)
     perturbed = metrics.pop("perturbed_logits", None)
     if self.eval_order == "perturbed":
       logits = perturbed
     elif self.eval_order == "after":
-      logits, _ = self.method.forward(self.prep, frozen, state.trainable, images)
+      logits, _ = self.method.forward(prep, frozen, state.trainable, images)
     # A diverged step (NaN/inf logits or adapted params) must stop a run, not become "every prediction class 0".
     finite = jnp.all(jnp.where(valid[:, None], jnp.isfinite(logits), True))
     for leaf in jax.tree.leaves(state.trainable):
@@ -115,7 +122,7 @@ class Adapter:
     images, valid = self.pad(np.asarray(images, np.float32))
     images = jax.make_array_from_process_local_data(self._batch_sharding, images)
     valid = jax.make_array_from_process_local_data(self._batch_sharding, valid)
-    return self._step(self.frozen, state, images, valid)
+    return self._step(self.frozen, self.consts, state, images, valid)
 
   def state_to_host(self, state: AdaptState) -> Any:
     """A numpy pytree of ``state`` for checkpointing (the PRNG key as raw key data)."""

@@ -37,3 +37,19 @@ def assert_accuracy_matches(accuracy: float, logits: np.ndarray, labels: np.ndar
   ties = _few_ties(logits)
   direct = int((np.asarray(logits).argmax(-1) == labels).sum())
   assert abs(round(accuracy * len(labels)) - direct) <= int(ties.sum()), (accuracy * len(labels), direct, ties.sum())
+
+
+def compare_updates(js: dict, src: dict, ts: dict) -> tuple[float, float, float]:
+  """Max relative differences of the adapted params and of the updates ``params - source``, and the largest
+  excess of an update difference over its bound ``1e-4 * |update| + 1e-6 * |param|`` (<= 0: all within)."""
+  assert set(js) == set(ts) and len(js) > 0
+  worst, worst_update, biggest, excess = 0.0, 0.0, 0.0, -np.inf
+  for k in ts:
+    upd_t, upd_j = ts[k] - src[k], js[k] - src[k]
+    diff, size = np.abs(upd_j - upd_t).max(), np.abs(upd_t).max()
+    biggest = max(biggest, size)
+    worst = max(worst, np.abs(js[k] - ts[k]).max() / max(np.abs(ts[k]).max(), 1e-12))
+    worst_update = max(worst_update, diff / max(size, 1e-12))
+    excess = max(excess, diff - (1e-4 * size + 1e-6 * np.abs(ts[k]).max()))
+  assert biggest > 0  # something was adapted
+  return worst, worst_update, excess

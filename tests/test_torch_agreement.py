@@ -114,7 +114,7 @@ def test_jax_and_pytorch_agree_on_a_stream(case, setup):
     assert min(abs(t["jax_ema"] - threshold) for t in trace) > 3e-3  # no reset decided by float noise
   if name_has_ema(case):
     np.testing.assert_allclose([t["jax_ema"] for t in trace], [t["torch_ema"] for t in trace], rtol=1e-5)
-  worst, worst_update, excess = compare(js, src, ts)
+  worst, worst_update, excess = float_checks.compare_updates(js, src, ts)
   print(f"{case}: {sum(fired)} resets; adapted params max rel diff {worst:.2e}; "
         f"updates max rel diff {worst_update:.2e}")
   assert worst < 1e-4
@@ -126,22 +126,6 @@ def test_jax_and_pytorch_agree_on_a_stream(case, setup):
     # Clearing SAM's inner momentum on a reset (what we did before) is what the official code does not do:
     # on this stream it moves the parameters by a large part of the update.
     _, js_all, _, _, _ = run_both(case, sd, xs, reset_optimizer="all")
-    _, cleared, _ = compare(js_all, src, ts)
+    _, cleared, _ = float_checks.compare_updates(js_all, src, ts)
     print(f"{case}: with the optimizer state cleared on reset, updates max rel diff {cleared:.2e}")
     assert cleared > 1e-2
-
-
-def compare(js, src, ts) -> tuple[float, float, float]:
-  """Max relative differences of the adapted params and of the updates ``params - source``, and the largest
-  excess of an update difference over its bound ``1e-4 * |update| + 1e-6 * |param|`` (<= 0: all within)."""
-  assert set(js) == set(ts) and len(js) > 0
-  worst, worst_update, biggest, excess = 0.0, 0.0, 0.0, -np.inf
-  for k in ts:
-    upd_t, upd_j = ts[k] - src[k], js[k] - src[k]
-    diff, size = np.abs(upd_j - upd_t).max(), np.abs(upd_t).max()
-    biggest = max(biggest, size)
-    worst = max(worst, np.abs(js[k] - ts[k]).max() / max(np.abs(ts[k]).max(), 1e-12))
-    worst_update = max(worst_update, diff / max(size, 1e-12))
-    excess = max(excess, diff - (1e-4 * size + 1e-6 * np.abs(ts[k]).max()))
-  assert biggest > 0  # something was adapted
-  return worst, worst_update, excess

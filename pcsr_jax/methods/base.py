@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Callable, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Iterator, Mapping, Optional
 
 import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import traverse_util
 
@@ -79,6 +80,10 @@ class Prepared:
   is_trainable: Callable[[Path], bool]
   tx: optax.GradientTransformation
   parts: Mapping[str, optax.GradientTransformation] = dataclasses.field(default_factory=dict)  # of a `parallel` tx
+  # Read-only arrays the step needs besides the params: the method's source statistics (EATA's Fisher, CFA's
+  # moments, FOA's feature mean/std). The engine places them on the device and passes them to the compiled
+  # step as an argument (inside `Method.update` they are traced values, never constants baked into the program).
+  consts: Any = None
 
 
 def split(params: Params, is_trainable: Callable[[Path], bool]) -> tuple[Params, Params]:
@@ -205,6 +210,14 @@ class Method(abc.ABC):
   # Reliability threshold E0 = margin_factor * ln(C) (0.4 ln 1000 for ImageNet).
   margin_factor: float = 0.4
 
+  # Clean source data (`pcsr_jax.source_stats`): "none"; "required" (CFA, FOA: no source-free form);
+  # "optional" (EATA: without it, its documented source-free form ETA runs, and the records say so).
+  source_data: ClassVar[str] = "none"
+  # How many source images the statistics use (None: all of them), whether they need the labels, and the
+  # statistics' name in the cache (methods sharing one kind of statistics share the cache entry).
+  source_images: ClassVar[Optional[int]] = None
+  source_labels: ClassVar[bool] = False
+
   @abc.abstractmethod
   def prepare(self, model: nn.Module, params: Params, rng: Array, batch_size: int) -> Prepared:
     """Model, full params, trainable predicate and optimizer for a stream of ``batch_size`` batches."""
@@ -213,6 +226,24 @@ class Method(abc.ABC):
   def update(self, prep: Prepared, frozen: Params, state: AdaptState, images: Array,
              valid: Array) -> tuple[AdaptState, Array, dict[str, Array]]:
     """One online step: ``(state, logits_of_the_loss_forward, metrics)``."""
+
+  def uses_source_data(self) -> bool:
+    """Whether this instance needs statistics of clean source data (a hyperparameter may turn it off)."""
+    return self.source_data != "none"
+
+  def stats_key(self) -> str:
+    """What the statistics depend on besides checkpoint and data (name + relevant hyperparameters)."""
+    return self.name
+
+  def compute_source_stats(self, prep: Prepared, frozen: Params, trainable: Params,
+                           batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Statistics of clean source data, computed once before adaptation and cached with the checkpoint.
+
+    ``batches`` yields ``(images, labels)``: normalized NHWC float32 images and int labels (-1 where the
+    source has none), ``source_images`` of them in all (all when None). Returns a flat dict of arrays,
+    which `Adapter` puts in ``prep.consts``.
+    """
+    raise NotImplementedError(f"{self.name} uses no source statistics")
 
   def init_extra(self, prep: Prepared, trainable: Params, opt_state: Any) -> Any:
     """The method's own state at the start of a stream (a pytree, or None): see `AdaptState.extra`."""

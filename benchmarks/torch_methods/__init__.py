@@ -1,0 +1,6 @@
+"""PyTorch references of the baselines, one module per method (``benchmarks/torch_methods/<name>.py``).
+
+Each module defines ``Reference(model, batch_size, **hyperparameters)`` with ``step(x_nchw) -> logits`` (the
+prediction the method reports for that batch) and ``adapted_state() -> {timm name: numpy array}``, written from
+the official code's semantics. `benchmarks.torch_reference.make_reference` finds them by name.
+"""
