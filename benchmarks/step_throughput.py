@@ -41,8 +41,16 @@ def run_jax(a) -> dict:
   cfg = get_config(a.arch)
   model = create(cfg)
   params = init_params(model, jax.random.key(0))
-  ad = engine.Adapter(methods.get(a.method), model, params, batch_size=a.batch_size)
+  method = methods.get(a.method)
   x = np.random.default_rng(0).standard_normal((a.batch_size, cfg.img_size, cfg.img_size, 3)).astype(np.float32)
+  stats = None
+  if method.uses_source_data():  # statistics of random "source" batches: the step's cost does not depend on them
+    from pcsr_jax.methods.base import split
+    prep = method.prepare(model, params, jax.random.key(0), a.batch_size)
+    frozen, trainable = split(prep.params, prep.is_trainable)
+    labels = np.arange(a.batch_size, dtype=np.int32) % cfg.num_classes
+    stats = method.compute_source_stats(prep, frozen, trainable, iter([(x, labels)] * 2))
+  ad = engine.Adapter(method, model, params, batch_size=a.batch_size, source_stats=stats)
   state = ad.init_state()
   t0 = time.perf_counter()
   state, logits, _ = ad.step(state, x)
@@ -68,7 +76,7 @@ def run_torch(a) -> dict:
   import numpy as np
   import torch
 
-  from benchmarks.torch_reference import TorchAdapter
+  from benchmarks.torch_reference import make_reference
   from pcsr_jax import timm_parity
   from pcsr_jax.models import get_config
 
@@ -76,9 +84,13 @@ def run_torch(a) -> dict:
   dev = torch.device("cuda" if cuda else "cpu")
   cfg = get_config(a.arch)
   model = timm_parity.timm_model(cfg).to(dev)
-  ref = TorchAdapter(a.method, model, a.batch_size)
   x = torch.from_numpy(np.random.default_rng(0).standard_normal(
       (a.batch_size, 3, cfg.img_size, cfg.img_size)).astype(np.float32)).to(dev)
+  from pcsr_jax import methods
+
+  # A method with source statistics computes them from ``source_batches`` (here random batches, as on the JAX side).
+  kw = {"source_batches": [x, x]} if methods.get(a.method).uses_source_data() else {}
+  ref = make_reference(a.method, model, a.batch_size, **kw)
   sync = torch.cuda.synchronize if cuda else (lambda: None)
   t0 = time.perf_counter()
   ref.step(x)
@@ -100,11 +112,17 @@ def run_torch(a) -> dict:
               peak_kind="device" if cuda else "rss", version=torch.__version__, threads=torch.get_num_threads())
 
 
+def _method_names() -> list[str]:
+  from pcsr_jax import methods
+
+  return list(methods.REGISTRY)
+
+
 def parser() -> ArgumentParser:
   p = ArgumentParser(prog="step_throughput.py", description=__doc__.split("\n\n")[0])
   p.add_argument("--arch", default="vit_small_patch16_224")
   p.add_argument("--batch-size", type=int, default=16)
-  p.add_argument("--method", default="pcsr", choices=["source", "tent", "sar", "pcsr", "pcsr-frozen"])
+  p.add_argument("--method", default="pcsr", help="a registered method: " + ", ".join(_method_names()))
   p.add_argument("--steps", type=int, default=10)
   p.add_argument("--warmup", type=int, default=2)
   p.add_argument("--frameworks", default="jax,torch", help="comma-separated: jax, torch")
@@ -118,6 +136,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   from pcsr_jax.models import get_config
 
   get_config(a.arch)  # validate before spawning workers
+  from pcsr_jax import methods
+
+  cost = methods.get(a.method).cost  # validates the name too
   if a.batch_size < 1 or a.steps < 1:
     raise UserError("--batch-size and --steps must be positive")
   if a.worker:
@@ -133,7 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
       raise UserError(f"{fw} worker failed: {tail}")
     results[fw] = json.loads(r.stdout.strip().splitlines()[-1])
-  print(f"{a.method} step, {a.arch}, batch {a.batch_size}, {a.steps} timed steps after {a.warmup} warm-up")
+  print(f"{a.method} step ({cost} per batch), {a.arch}, batch {a.batch_size}, {a.steps} timed steps after "
+        f"{a.warmup} warm-up")
   for fw, r in results.items():
     print(f"  {fw:5s} [{r['device']}, {r['version']}]: {r['images_per_s']:8.2f} img/s   first step "
           f"(compile) {r['compile_s']:6.2f} s   peak {r['peak_kind']} {r['peak_mb']:8.0f} MiB")

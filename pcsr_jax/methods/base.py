@@ -207,6 +207,9 @@ class Method(abc.ABC):
   # returns in its metrics as ``perturbed_logits`` (DPAL's reported prediction).
   eval_orders: ClassVar[tuple[str, ...]] = ("before", "after")
 
+  # Forward (F) and backward (B) passes of the backbone per batch, as the official code runs them.
+  cost: ClassVar[str] = "1F+1B"
+
   # Reliability threshold E0 = margin_factor * ln(C) (0.4 ln 1000 for ImageNet).
   margin_factor: float = 0.4
 

@@ -66,6 +66,7 @@ def param_group(path) -> str:
 @dataclasses.dataclass(frozen=True)
 class PCSR(Method):
   name: ClassVar[str] = "pcsr"
+  cost: ClassVar[str] = "2F+2B"
 
   config: pcsr.PCSRConfig = pcsr.PCSRConfig()
   recipe: str = "sar"

@@ -44,6 +44,7 @@ from pcsr_jax.methods.base import (RESET_OPTIMIZER, Method, Prepared, Recovery, 
 @dataclasses.dataclass(frozen=True)
 class SAR(Method):
   name: ClassVar[str] = "sar"
+  cost: ClassVar[str] = "2F+2B"
   eval_orders: ClassVar[tuple[str, ...]] = ("before", "after", "perturbed")
   lr: Optional[float] = None  # None: 0.001 * B / 64, doubled at B = 1
   momentum: float = 0.9

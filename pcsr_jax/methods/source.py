@@ -14,6 +14,7 @@ from pcsr_jax.methods.base import Method, Prepared
 @dataclasses.dataclass(frozen=True)
 class Source(Method):
   name: ClassVar[str] = "source"
+  cost: ClassVar[str] = "1F"
 
   def prepare(self, model, params, rng, batch_size):
     return Prepared(model, params, is_trainable=lambda path: False, tx=optax.identity())
