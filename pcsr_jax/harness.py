@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from pcsr_jax import checkpoint, engine, methods, results
+from pcsr_jax import checkpoint, engine, methods, results, source_stats
 from pcsr_jax.progress import Resume, RunProgress, UnitProgress
 from pcsr_jax.data import datasets, imagenet, sources, streams
 from pcsr_jax.data.loader import Loader, decode_throughput
@@ -64,6 +64,11 @@ class RunConfig:
   fmnist_dir: Optional[str] = None
   cache_dir: Optional[str] = None
   corruption_seed: int = 0
+  # Clean source data for the methods that need statistics of it (EATA, CFA, FOA): see `pcsr_jax.source_stats`.
+  # None: the built-in benchmark uses the Fashion-MNIST training set; elsewhere EATA runs as ETA and
+  # CFA/FOA are refused.
+  source_data: Optional[str] = None
+  source_images: Optional[int] = None  # cap the source images a method's statistics use (records say so)
 
   def validate(self) -> None:
     """Every value checked before any work starts: one line naming the flag on the first bad one."""
@@ -103,6 +108,16 @@ class RunConfig:
         raise UserError(f"--eval-order {self.eval_order}: not available for {m} (it has {', '.join(orders)})")
     if self.batch_size < 1 or (self.limit is not None and self.limit < 1) or self.checkpoint_every < 1:
       raise UserError("--batch-size, --limit and --checkpoint-every must be positive")
+    if self.source_images is not None and (not isinstance(self.source_images, int) or self.source_images < 1):
+      raise UserError(f"--source-images: expected a positive integer, got {self.source_images}")
+    if self.source_data is None and self.dataset == "fmnist_c":
+      self.source_data = "fmnist-train"  # the built-in benchmark's clean source: its model's training set
+    if self.source_data is None:
+      for m in self.methods:
+        method = methods.get(m, **self.method_args.get(m, {}))
+        if method.uses_source_data() and method.source_free() is None:
+          raise UserError(f"--source-data: {m} needs clean source data (a clean ImageNet folder, or tfds) for "
+                          f"its statistics; none given")
     if self.setting == "bs1" and self.batch_size != 1:
       self.batch_size = 1  # the bs1 setting *is* batch size 1
 
@@ -169,6 +184,9 @@ class _Setup:
   progress: RunProgress
   config_json: dict
   decode_ips: float
+  meta: dict = dataclasses.field(default_factory=dict)
+  source: Optional[source_stats.SourceData] = None  # opened on first use
+  stats: dict = dataclasses.field(default_factory=dict)  # method stats key -> (arrays, description)
 
 
 def run(cfg: RunConfig, log=print) -> dict:
@@ -231,7 +249,7 @@ def _setup(cfg: RunConfig, log) -> _Setup:
         (f", {u.key} at segment {u.segment} batch {u.batch}" if u else ""))
   loader = Loader(srcs, preprocess, cfg.batch_size, workers=cfg.workers)
   return _Setup(cfg, spec, model, params, num_classes, names, srcs, relabel, loader, resume, progress,
-                config_json, decode_ips)
+                config_json, decode_ips, meta)
 
 
 def _run_seed(setup: _Setup, seed: int, stop: "_Stop", log) -> bool:
@@ -248,11 +266,35 @@ def _run_seed(setup: _Setup, seed: int, stop: "_Stop", log) -> bool:
     if key in setup.progress.done:
       continue
     method = methods.get(method_name, **cfg.method_args.get(method_name, {}))
+    method, stats, used = _source_stats(setup, method, log)
     adapter = engine.Adapter(method, setup.model, setup.params, batch_size=cfg.batch_size,
-                             eval_order=cfg.eval_order, seed=seed)
-    if not _run_unit(setup, key, method_name, seed, adapter, segments, stop, log):
+                             eval_order=cfg.eval_order, seed=seed, source_stats=stats)
+    if not _run_unit(setup, key, method_name, seed, adapter, segments, stop, log, used):
       return False
   return True
+
+
+def _source_stats(setup: _Setup, method: methods.Method, log) -> tuple[methods.Method, Optional[dict], str]:
+  """``(method to run, its source statistics or None, what the records say about source data)``.
+
+  Without ``--source-data`` a method with a source-free form (EATA) runs as that form, and says so."""
+  cfg = setup.cfg
+  if not method.uses_source_data():
+    return method, None, "none"
+  if cfg.source_data is None:
+    log(f"{method.name}: no --source-data; running its source-free form ({method.source_free_note()})")
+    return method.source_free(), None, f"none: source-free form ({method.source_free_note()})"
+  if setup.source is None:
+    setup.source = source_stats.open_source_data(cfg.source_data, setup.meta, cfg.tfds_data_dir, cfg.fmnist_dir)
+  key = method.stats_key()
+  if key not in setup.stats:
+    # The full head (not ImageNet-R's 200-class subset): statistics are of the checkpoint on its own classes.
+    setup.stats[key] = source_stats.get(method, setup.model.clone(class_subset=None), setup.params, setup.source,
+                                        checkpoint_dir=cfg.checkpoint, output_dir=cfg.output,
+                                        batch_size=cfg.batch_size, limit=cfg.source_images, workers=cfg.workers,
+                                        progress=cfg.progress, log=log)
+  arrays, desc = setup.stats[key]
+  return method, arrays, f"{desc['images']:,} images of {desc['source_data']}"
 
 
 def _write_outputs(setup: _Setup, log) -> dict:
@@ -330,7 +372,7 @@ class _Bar:
 
 
 def _run_unit(setup: _Setup, key: str, method_name: str, seed: int, adapter: engine.Adapter, segments: list,
-              stop: "_Stop", log) -> bool:
+              stop: "_Stop", log, source_used: str = "none") -> bool:
   """One method and seed over all segments. Returns False when interrupted (progress saved)."""
   cfg, progress = setup.cfg, setup.progress
   unit = progress.unit if progress.unit and progress.unit.key == key else None
@@ -383,7 +425,7 @@ def _run_unit(setup: _Setup, key: str, method_name: str, seed: int, adapter: eng
     if pending is not None:
       score(*pending)
     unit.add_time(time.perf_counter() - t_seg)
-    _record_segment(setup, unit, seg, method_name, seed, adapter.eval_order, int(state.resets))
+    _record_segment(setup, unit, seg, method_name, seed, adapter.eval_order, int(state.resets), source_used)
     unit.close_segment()
     bar.segment(seg.name, unit)
   bar.close()
@@ -397,7 +439,7 @@ def _run_unit(setup: _Setup, key: str, method_name: str, seed: int, adapter: eng
 
 
 def _record_segment(setup: _Setup, unit: UnitProgress, seg, method_name: str, seed: int, eval_order: str,
-                    resets: int) -> None:
+                    resets: int, source_used: str = "none") -> None:
   """Records the segment's per-domain accuracies (for mix_shifts: every corruption in the mix).
 
   ``resets`` counts the method's in-step recoveries (SAR's EMA reset) since its state was last initialized.
@@ -412,7 +454,7 @@ def _record_segment(setup: _Setup, unit: UnitProgress, seg, method_name: str, se
     correct, total, correct_known, known = counts
     rec = dict(method=method_name, setting=cfg.setting, corruption=tag, severity=cfg.severity, seed=seed,
                eval_order=eval_order, accuracy=correct / max(total, 1), num_samples=total,
-               num_skipped=unit.skipped, seconds=unit.seconds, resets=resets)
+               num_skipped=unit.skipped, seconds=unit.seconds, resets=resets, source_data=source_used)
     if setup.spec.open_set:
       rec.update(accuracy_known=correct_known / max(known, 1), num_known=known)
     setup.progress.records.append(rec)

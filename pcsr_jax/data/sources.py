@@ -104,19 +104,20 @@ class ImageListSource:
 
 
 class TFDSSource:
-  """TFDS ``imagenet2012_corrupted/<corruption>_<severity>`` (validation split) via
+  """TFDS ``imagenet2012_corrupted/<corruption>_<severity>`` (validation split), or another image dataset, via
   ``tfds.data_source``: array_record random access, no TensorFlow. Images come as encoded
   bytes (``SkipDecoding``) and are decoded by the loader's workers with PIL."""
 
-  def __init__(self, corruption: str, severity: int, data_dir: Optional[str] = None,
-               name: str = "imagenet2012_corrupted"):
+  def __init__(self, corruption: Optional[str], severity: Optional[int], data_dir: Optional[str] = None,
+               name: str = "imagenet2012_corrupted", split: str = "validation"):
     import tensorflow_datasets as tfds
 
-    config = f"{name}/{corruption}_{severity}"
+    # ``corruption=None``: the dataset ``name`` itself (clean ``imagenet2012`` as source data).
+    config = f"{name}/{corruption}_{severity}" if corruption is not None else name
     self.ds = None
     for decoders in ({"image": tfds.decode.SkipDecoding()}, None):  # encoded bytes if possible (cheap)
       try:
-        ds = tfds.data_source(config, split="validation", data_dir=data_dir, decoders=decoders)
+        ds = tfds.data_source(config, split=split, data_dir=data_dir, decoders=decoders)
         if len(ds):
           ds[0]  # SkipDecoding can fail at access time (e.g. under tfds.testing.mock_data without TF)
         self.ds = ds
@@ -128,7 +129,7 @@ class TFDSSource:
                       f"({type(error).__name__})") from None
     n = len(self.ds)
     if n == 0:
-      raise UserError(f"tfds {config}: empty validation split")
+      raise UserError(f"tfds {config}: empty {split} split")
     records = [self.ds[i] for i in range(n)]  # bytes only: cheap
     self.labels = np.asarray([int(r["label"]) for r in records], np.int32)
     self.names = [r["file_name"].decode() if isinstance(r["file_name"], bytes) else str(r["file_name"])

@@ -38,6 +38,10 @@ def parser(prog: str, description: str, presets: dict) -> ArgumentParser:
   p.add_argument("--tfds-data-dir", help="--data tfds: where the prepared TFDS datasets live")
   p.add_argument("--image-list", help="visda: the list under --data (default: the official "
                                       "val_filelists/imagenet_c_r_o_filelist.txt)")
+  p.add_argument("--source-data", help="clean source images for EATA/CFA/FOA's statistics: an ImageNet folder "
+                 "(<dir>/<wnid>/*.JPEG), 'tfds[:<name>[:<split>]]' (default imagenet2012 validation) or "
+                 "'fmnist-train'; cached next to the checkpoint (experiments/source_stats.py computes them ahead)")
+  p.add_argument("--source-images", type=int, help="use at most N source images per method's statistics")
   p.add_argument("--method-args", help="JSON of per-method hyperparameters, e.g. '{\"pcsr\": {\"lr_dsn\": 0.05}}'")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
   return p
@@ -52,7 +56,8 @@ def config_from_args(a, presets: dict, defaults: Optional[dict] = None):
   flags = dict(data=a.data, checkpoint=a.checkpoint, dataset=a.dataset, severity=a.severity, setting=a.setting,
                batch_size=a.batch_size, output=a.output, limit=a.limit, eval_order=a.eval_order,
                checkpoint_every=a.checkpoint_every, workers=a.workers, imbalance_ratio=a.imbalance_ratio,
-               label_shift_indices=a.label_shift_indices, tfds_data_dir=a.tfds_data_dir, image_list=a.image_list)
+               label_shift_indices=a.label_shift_indices, tfds_data_dir=a.tfds_data_dir, image_list=a.image_list,
+               source_data=a.source_data, source_images=a.source_images)
   kw.update({k: v for k, v in flags.items() if v is not None})
   if a.methods:
     kw["methods"] = parse_list(a.methods)

@@ -234,6 +234,14 @@ class Method(abc.ABC):
     """Whether this instance needs statistics of clean source data (a hyperparameter may turn it off)."""
     return self.source_data != "none"
 
+  def source_free(self) -> Optional["Method"]:
+    """The documented form this method runs without source data (EATA -> ETA), or None if it has none."""
+    return None
+
+  def source_free_note(self) -> str:
+    """How `source_free` differs from this method, for logs and records (e.g. "ETA: fisher_alpha 0")."""
+    return ""
+
   def stats_key(self) -> str:
     """What the statistics depend on besides checkpoint and data (name + relevant hyperparameters)."""
     return self.name
