@@ -110,6 +110,8 @@ class RunConfig:
       raise UserError("--batch-size, --limit and --checkpoint-every must be positive")
     if self.source_images is not None and (not isinstance(self.source_images, int) or self.source_images < 1):
       raise UserError(f"--source-images: expected a positive integer, got {self.source_images}")
+    if self.source_data is not None:
+      source_stats.check_spec(self.source_data)
     if self.source_data is None and self.dataset == "fmnist_c":
       self.source_data = "fmnist-train"  # the built-in benchmark's clean source: its model's training set
     if self.source_data is None:

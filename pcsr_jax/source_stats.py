@@ -62,18 +62,27 @@ def open_source_data(spec: str, meta: Mapping[str, Any], tfds_data_dir: Optional
     src.names = [f"train_{i:05d}" for i in range(len(images))]
     return SourceData(spec, f"Fashion-MNIST train ({len(src):,} images)", src, transforms.Preprocess.from_meta(meta))
   preprocess = transforms.Preprocess.from_meta(meta, crop_pct=0.875)
+  tfds_name = check_spec(spec)
+  if tfds_name is not None:
+    name, split_name = tfds_name
+    src = sources.TFDSSource(None, None, tfds_data_dir, name=name, split=split_name)
+    return SourceData(spec, f"tfds {name} {split_name} ({len(src):,} images)", src, preprocess)
+  src = sources.FolderSource(spec)
+  return SourceData(spec, f"folder {spec} ({len(src):,} images)", src, preprocess)
+
+
+def check_spec(spec: str) -> Optional[tuple[str, str]]:
+  """Checks a ``--source-data`` value before any work; returns ``(name, split)`` for a TFDS one."""
+  if spec == "fmnist-train":
+    return None
   if spec == "tfds" or spec.startswith("tfds:"):
     parts = spec.split(":")
     if len(parts) > 3 or any(not p for p in parts[1:]):
       raise UserError(f"--source-data {spec}: expected tfds, tfds:<name> or tfds:<name>:<split>")
-    name = parts[1] if len(parts) > 1 else "imagenet2012"
-    split_name = parts[2] if len(parts) > 2 else "validation"
-    src = sources.TFDSSource(None, None, tfds_data_dir, name=name, split=split_name)
-    return SourceData(spec, f"tfds {name} {split_name} ({len(src):,} images)", src, preprocess)
+    return (parts[1] if len(parts) > 1 else "imagenet2012", parts[2] if len(parts) > 2 else "validation")
   if not os.path.isdir(spec):
     raise UserError(f"--source-data {spec}: not a folder, 'tfds[:<name>[:<split>]]' or 'fmnist-train'")
-  src = sources.FolderSource(spec)
-  return SourceData(spec, f"folder {spec} ({len(src):,} images)", src, preprocess)
+  return None
 
 
 def select(method: Method, data: SourceData, limit: Optional[int] = None) -> np.ndarray:

@@ -114,7 +114,10 @@ def test_flag_values(world, tmp_path):
                        ("--imbalance-ratio: expected a number >= 1", ["--imbalance-ratio", "-1"]),
                        ("tent lr: expected None or float, got 'fast'", ["--method-args", '{"tent": {"lr": "fast"}}']),
                        ("tent lr: expected a finite number, got nan", ["--method-args", '{"tent": {"lr": NaN}}']),
-                       ("--eval-order perturbed: not available for source", ["--eval-order", "perturbed"])):
+                       ("--eval-order perturbed: not available for source", ["--eval-order", "perturbed"]),
+                       ("--source-images: expected a positive integer", ["--source-images", "0"]),
+                       ("--source-data /nowhere: not a folder", ["--source-data", "/nowhere"]),
+                       ("--source-data tfds:x:y:z: expected tfds", ["--source-data", "tfds:x:y:z"])):
     fails(match, world, tmp_path / "out", *flags)
 
 
