@@ -134,4 +134,5 @@ def test_t3a_predictions_match_the_official_style_reference():
     added += n
     kept.append(int(metrics["supports"]))
   print(f"t3a: supports kept per step {kept} of {added} added; logits max rel diff {worst:.2e}")
+  assert ad.num_traces == 1  # the ragged last batch was padded, not recompiled
   assert kept[-1] < added and max(kept) <= k * CFG.num_classes  # the filter dropped supports

@@ -80,7 +80,7 @@ class Reference:
       cls1 = prob.argmax(dim=1).reshape(-1, 1)
       plpd = (torch.gather(prob, 1, cls1) - torch.gather(prob_prime, 1, cls1)).reshape(-1)
       filter_ids_2 = torch.where(plpd > self.plpd_threshold)
-      self.threshold_gaps.append(float((plpd - self.plpd_threshold).abs().min()))
+      self.threshold_gaps.append(float((plpd.detach() - self.plpd_threshold).abs().min()))
       entropys = entropys[filter_ids_2]
       self.counts.append((len(filter_ids_1[0]), len(entropys)))
       if len(entropys) == 0:
