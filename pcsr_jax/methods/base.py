@@ -106,6 +106,14 @@ def is_layernorm_param(path: Path) -> bool:
   return len(path) >= 2 and path[-2] in ("norm1", "norm2", "norm") and path[-1] in ("scale", "bias")
 
 
+def is_block_layernorm_param(path: Path, skip_blocks: tuple[int, ...]) -> bool:
+  """SAR's and DeYO's adapted params: the LayerNorms of the blocks not in ``skip_blocks`` (their code skips
+  modules named 'blocks.9', 'blocks.10', 'blocks.11' and the final 'norm')."""
+  if not is_layernorm_param(path) or path[0] == "norm":
+    return False
+  return not (path[0].startswith("blocks_") and int(path[0].split("_")[1]) in skip_blocks)
+
+
 def sgd(lr: float, momentum: float) -> optax.GradientTransformation:
   """PyTorch's SGD (dampening 0, no Nesterov, no weight decay): buf = m*buf + g; p -= lr*buf."""
   return optax.sgd(lr, momentum=momentum if momentum else None)

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 from pcsr_jax import losses
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import (RESET_OPTIMIZER, Method, Prepared, Recovery, is_layernorm_param, recover,
+from pcsr_jax.methods.base import (RESET_OPTIMIZER, Method, Prepared, Recovery, is_block_layernorm_param, recover,
                                    sam_perturb, sar_code_lr, sgd)
 
 
@@ -61,9 +61,7 @@ class SAR(Method):
                       f"got '{self.reset_optimizer}'")
 
   def trainable(self, path) -> bool:
-    if not is_layernorm_param(path) or path[0] == "norm":
-      return False
-    return not (path[0].startswith("blocks_") and int(path[0].split("_")[1]) in self.skip_blocks)
+    return is_block_layernorm_param(path, self.skip_blocks)
 
   def prepare(self, model, params, rng, batch_size):
     lr = self.lr if self.lr is not None else sar_code_lr(batch_size) * (2 if batch_size == 1 else 1)

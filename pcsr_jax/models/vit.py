@@ -125,7 +125,10 @@ class VisionTransformer(nn.Module):
   Input: float32 NHWC images normalized with the checkpoint's mean and std.
   Output: ``[B, num_classes]`` logits, or ``[B, D]`` features when
   ``num_classes == 0``. With ``return_features=True`` it also returns the token
-  features after every block (a tuple of ``[B, T, D]``).
+  features after every block (a tuple of ``[B, T, D]``). With ``pre_logits=True``
+  the first output is the head's input instead of the logits: the final-LN class
+  token ``[B, D]`` (timm's ``forward_head(pre_logits=True)``), on which T3A builds
+  its prototypes.
   """
 
   config: ViTConfig
@@ -151,7 +154,7 @@ class VisionTransformer(nn.Module):
     if c.num_classes > 0:
       self.head = nn.Dense(c.num_classes)
 
-  def __call__(self, x: Array, return_features: bool = False):
+  def __call__(self, x: Array, return_features: bool = False, pre_logits: bool = False):
     x = self.patch_embed(x)
     cls = jnp.broadcast_to(self.cls_token, (x.shape[0], 1, x.shape[-1])).astype(x.dtype)
     x = jnp.concatenate([cls, x], axis=1) + self.pos_embed
@@ -160,10 +163,13 @@ class VisionTransformer(nn.Module):
       x = blk(x)
       feats.append(x)
     x = self.norm(x)[:, 0]
-    logits = self.head(x) if self.config.num_classes > 0 else x
-    if self.class_subset is not None:
-      logits = logits[:, jnp.asarray(self.class_subset, jnp.int32)]
-    return (logits, tuple(feats)) if return_features else logits
+    if pre_logits or self.config.num_classes == 0:
+      out = x
+    else:
+      out = self.head(x)
+      if self.class_subset is not None:
+        out = out[:, jnp.asarray(self.class_subset, jnp.int32)]
+    return (out, tuple(feats)) if return_features else out
 
 
 def create(config: ViTConfig, recalibration: Optional[Any] = None) -> VisionTransformer:
