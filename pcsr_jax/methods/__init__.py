@@ -15,6 +15,7 @@ import typing
 
 from pcsr_jax.errors import UserError, check_fields
 from pcsr_jax.methods.base import AdaptState, Method, Prepared
+from pcsr_jax.methods.foa import FOA
 from pcsr_jax.methods.pcsr import PCSR
 from pcsr_jax.methods.sar import SAR
 from pcsr_jax.methods.source import Source
@@ -26,6 +27,7 @@ REGISTRY: dict[str, tuple[type[Method], dict]] = {
     "sar": (SAR, {}),
     "pcsr": (PCSR, {}),  # the authors' recipe: SAR's base + PCSR's modules
     "pcsr-frozen": (PCSR, {"recipe": "frozen"}),  # the paper's text alone: backbone frozen, plain SGD
+    "foa": (FOA, {}),
 }
 
 
@@ -67,4 +69,4 @@ def coerce(cls: type, values: dict, name: str) -> dict:
   return out
 
 
-__all__ = ["AdaptState", "Method", "PCSR", "Prepared", "REGISTRY", "SAR", "Source", "Tent", "get"]
+__all__ = ["AdaptState", "FOA", "Method", "PCSR", "Prepared", "REGISTRY", "SAR", "Source", "Tent", "get"]
