@@ -144,11 +144,20 @@ class FOA(Method):
     return fitness, shifted, mean[-d:]
 
   def update(self, prep, frozen, state, images, valid):
-    foa: FOAState = state.extra
-    es = self.cma(prep.model)
-    d = prep.model.config.embed_dim
     rng, key = jax.random.split(state.rng)
-    samples, es_state = es.ask(key, foa.es)
+    samples, es_state = self.cma(prep.model).ask(key, state.extra.es)
+    state = state.replace(rng=rng, extra=state.extra.replace(es=es_state))
+    state, logits, metrics, _ = self.adapt(prep, frozen, state, images, valid, samples)
+    return state, logits, metrics
+
+  def adapt(self, prep: Prepared, frozen: Any, state: Any, images: Array, valid: Array,
+            samples: Array) -> tuple[Any, Array, dict[str, Array], Array]:
+    """The step after ``ask``: evaluate ``samples`` ``[popsize, P * D]`` and the previous best, tell.
+
+    Returns ``(state, logits, metrics, fitness of the popsize + 1 candidates)``.
+    """
+    foa: FOAState = state.extra
+    d = prep.model.config.embed_dim
     candidates = jnp.concatenate([samples, foa.best[None]])  # the previous best last, as the official
     shift = jnp.where(foa.hist_valid & self.shift, prep.consts["mean"][-d:] - foa.hist, 0.0)
 
@@ -158,10 +167,11 @@ class FOA(Method):
     fitness, logits, means = jax.lax.map(one, candidates, batch_size=self.chunk or candidates.shape[0])
     best = jnp.argmin(fitness)  # the first of equal minima, as the official's strict `>`
     sampled = jnp.arange(candidates.shape[0]) < samples.shape[0]
-    es_state = es.tell(es_state, candidates, fitness, sampled)
+    es_state = self.cma(prep.model).tell(foa.es, candidates, fitness, sampled)
     m = jnp.mean(means, axis=0)
     hist = jnp.where(foa.hist_valid, 0.9 * foa.hist + 0.1 * m, m)
     extra = FOAState(es=es_state, best=candidates[best], hist=hist, hist_valid=jnp.ones((), bool))
-    state = state.replace(extra=extra, rng=rng, step=state.step + 1)
-    metrics = {"fitness": fitness[best], "sigma": es_state.sigma, "best_is_previous": (best == samples.shape[0]).astype(jnp.int32)}
-    return state, logits[best], metrics
+    state = state.replace(extra=extra, step=state.step + 1)
+    metrics = {"fitness": fitness[best], "sigma": es_state.sigma,
+               "best_is_previous": (best == samples.shape[0]).astype(jnp.int32)}
+    return state, logits[best], metrics, fitness
