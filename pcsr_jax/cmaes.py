@@ -87,7 +87,7 @@ class CMAES:
     consts = dict(mu=mu, weights=weights, mueff=mueff, c1=c1, cmu=cmu, cs=cs,
                   cc=(4 + mueff / n) / (n + 4 + 2 * mueff / n),
                   damps=1 + 2 * max(0.0, math.sqrt((mueff - 1) / (n + 1)) - 1) + cs,
-                  chin=math.sqrt(n) * (1 - 1 / (4 * n) + 1 / (21 * n**2)),
+                  chin=math.sqrt(n) * (1 - 1 / (4 * n) + 1 / (26 * n**2)),  # pycma: 26, the tutorial 21
                   lazy_gap=1 / (c1 + cmu + 1e-23) / n / 10,
                   max_length=math.sqrt(n) + 2 * n / (n + 2))
     for k, v in consts.items():
@@ -99,8 +99,10 @@ class CMAES:
 
   def init(self, mean: Array) -> CMAState:
     n = self.dim
+    # pycma's GaussFullSampler starts from diag(exp(1e-4 k / N)), "to prevent equal eigenvalues".
+    var0 = jnp.exp((1e-4 / n) * jnp.arange(n, dtype=jnp.float32))
     return CMAState(mean=jnp.asarray(mean, jnp.float32), sigma=jnp.asarray(self.sigma0, jnp.float32),
-                    C=jnp.eye(n), B=jnp.eye(n), D=jnp.ones(n), ps=jnp.zeros(n), pc=jnp.zeros(n),
+                    C=jnp.diag(var0), B=jnp.eye(n), D=jnp.sqrt(var0), ps=jnp.zeros(n), pc=jnp.zeros(n),
                     count=jnp.zeros((), jnp.int32), decomposed_at=jnp.zeros((), jnp.int32))
 
   def _decompose(self, s: CMAState) -> CMAState:
