@@ -159,3 +159,51 @@ def test_cmaes_update_matches_pycma_on_its_samples():
     np.testing.assert_allclose(s.ps, es.adapt_sigma.ps, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(s.pc, es.pc, rtol=1e-4, atol=1e-5)
   assert repaired == 3
+
+
+@pytest.mark.torch
+def test_agrees_with_torch_reference_on_its_samples():
+  """The official step (timm + prompts + pycma) and ours, given pycma's 27 samples per batch: same 28 fitnesses,
+  best candidate, reported (shifted) logits, activation-shift EMA and CMA-ES state, over a ragged stream."""
+  torch = pytest.importorskip("torch")
+  pytest.importorskip("cma")
+  from benchmarks.torch_methods.foa import Reference
+  from pcsr_jax import timm_parity, weights
+
+  cfg = ViTConfig(embed_dim=48, depth=12, num_heads=3, patch_size=8, img_size=32, num_classes=10)
+  tm = timm_parity.timm_model(cfg)
+  timm_parity.randomize_(tm, seed=0, scale=0.15)
+  params = weights.timm_to_flax({k: v.numpy() for k, v in tm.state_dict().items()}, cfg)
+  model = create(cfg)
+  m = methods.get("foa")
+  src = batches(2, 16, cfg, seed=11)
+  ad = engine.Adapter(m, model, params, batch_size=16, source_stats={"mean": np.zeros(1), "std": np.zeros(1)})
+  frozen, trainable = split(ad.prep.params, ad.prep.is_trainable)
+  stats = m.compute_source_stats(ad.prep, frozen, trainable, iter([(b, None) for b in src]))
+  ad = engine.Adapter(m, model, params, batch_size=16, source_stats=stats)
+  nchw = lambda x: torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2)))
+  init = np.asarray(m.initial_prompts(model))
+  ref = Reference(tm, 16, source_batches=[nchw(b) for b in src], initial_prompts=init)
+  np.testing.assert_allclose(stats["mean"], ref.train_info[1].numpy(), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(stats["std"], ref.train_info[0].numpy(), rtol=1e-4, atol=1e-5)
+
+  adapt = jax.jit(lambda fz, c, st, x, v, smp: m.adapt(ad.prep.__class__(**{**ad.prep.__dict__, "consts": c}),
+                                                       fz, st, x, v, smp))
+  state = ad.init_state()
+  bests = []
+  for i, x in enumerate(batches(5, 16, cfg, seed=3, last=10)):
+    want = ref.step(nchw(x)).numpy()
+    xp, valid = ad.pad(x)
+    state, logits, _, fit = adapt(ad.frozen, ad.consts, state, xp, valid, jnp.asarray(ref.candidates[:27], jnp.float32))
+    fit = np.asarray(fit)
+    np.testing.assert_allclose(fit, ref.fitness, rtol=1e-4, atol=1e-4)
+    assert int(np.argmin(fit)) == ref.best_index
+    bests.append(ref.best_index)
+    np.testing.assert_allclose(np.asarray(logits)[:len(x)], want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(state.extra.hist, ref.hist_stat.numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(state.extra.es.mean, ref.es.mean, rtol=1e-4, atol=1e-4 * ref.es.sigma)
+    print(i, float(state.extra.es.sigma) / ref.es.sigma - 1, np.linalg.norm(state.extra.es.ps) / np.linalg.norm(ref.es.adapt_sigma.ps) - 1)
+    # Measured: sigma within 3.5e-4, ps within 0.35% once the previous best wins (batch 2 on); see the report.
+    np.testing.assert_allclose(float(state.extra.es.sigma), ref.es.sigma, rtol=1e-3)
+  print("best candidate per batch:", bests)
+  assert len(set(bests)) > 1
