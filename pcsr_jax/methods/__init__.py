@@ -16,6 +16,7 @@ import typing
 from pcsr_jax.errors import UserError, check_fields
 from pcsr_jax.methods.base import AdaptState, Method, Prepared
 from pcsr_jax.methods.deyo import DeYO
+from pcsr_jax.methods.foa import FOA
 from pcsr_jax.methods.pcsr import PCSR
 from pcsr_jax.methods.sar import SAR
 from pcsr_jax.methods.source import Source
@@ -30,6 +31,7 @@ REGISTRY: dict[str, tuple[type[Method], dict]] = {
     "pcsr-frozen": (PCSR, {"recipe": "frozen"}),  # the paper's text alone: backbone frozen, plain SGD
     "t3a": (T3A, {}),
     "deyo": (DeYO, {}),
+    "foa": (FOA, {}),
 }
 
 
@@ -71,4 +73,5 @@ def coerce(cls: type, values: dict, name: str) -> dict:
   return out
 
 
-__all__ = ["AdaptState", "DeYO", "Method", "PCSR", "Prepared", "REGISTRY", "SAR", "Source", "T3A", "Tent", "get"]
+__all__ = ["AdaptState", "DeYO", "FOA", "Method", "PCSR", "Prepared", "REGISTRY", "SAR", "Source", "T3A", "Tent",
+           "get"]

@@ -111,12 +111,13 @@ class Block(nn.Module):
   recalibrator: Optional[nn.Module] = None
 
   @nn.compact
-  def __call__(self, x: Array) -> Array:
+  def __call__(self, x: Array, return_norm1: bool = False):
+    """The block's output; with ``return_norm1`` also its norm1 output (``[B, T, D]`` each)."""
     h = nn.LayerNorm(epsilon=LN_EPS, name="norm1")(x)
     ss = self.recalibrator(x, h) if self.recalibrator is not None else None
     x = x + Attention(self.dim, self.num_heads, name="attn")(h, ss)
-    h = nn.LayerNorm(epsilon=LN_EPS, name="norm2")(x)
-    return x + Mlp(self.mlp_dim, name="mlp")(h)
+    out = x + Mlp(self.mlp_dim, name="mlp")(nn.LayerNorm(epsilon=LN_EPS, name="norm2")(x))
+    return (out, h) if return_norm1 else out
 
 
 class VisionTransformer(nn.Module):
@@ -129,6 +130,16 @@ class VisionTransformer(nn.Module):
   the first output is the head's input instead of the logits: the final-LN class
   token ``[B, D]`` (timm's ``forward_head(pre_logits=True)``), on which T3A builds
   its prototypes.
+
+  Prompts (VPT, as FOA's ``models/vpt.py``): ``prompts`` of shape ``[P, D]``
+  are inserted after the class token and before the patch tokens, *after* the
+  position embedding is added (they carry no position). They are an input, not
+  a param, so ``jax.vmap`` over a stack of prompts evaluates many candidates in
+  one program. ``return_cls=True`` returns ``(logits, cls)`` instead, with
+  ``cls`` of shape ``[B, depth, D]``: every block's class-token output
+  normalised by the *next* block's norm1 and the last one by the final norm
+  (FOA's ``_collect_layers_features``); ``cls[:, -1]`` is what the head reads,
+  and `classify` applies the head to such a feature.
   """
 
   config: ViTConfig
@@ -154,21 +165,37 @@ class VisionTransformer(nn.Module):
     if c.num_classes > 0:
       self.head = nn.Dense(c.num_classes)
 
-  def __call__(self, x: Array, return_features: bool = False, pre_logits: bool = False):
+  def classify(self, feature: Array) -> Array:
+    """The head on the normalised class-token feature ``[B, D]`` (restricted to ``class_subset``)."""
+    if self.config.num_classes == 0:
+      return feature
+    logits = self.head(feature)
+    if self.class_subset is not None:
+      logits = logits[:, jnp.asarray(self.class_subset, jnp.int32)]
+    return logits
+
+  def __call__(self, x: Array, return_features: bool = False, prompts: Optional[Array] = None,
+               return_cls: bool = False, pre_logits: bool = False):
     x = self.patch_embed(x)
     cls = jnp.broadcast_to(self.cls_token, (x.shape[0], 1, x.shape[-1])).astype(x.dtype)
     x = jnp.concatenate([cls, x], axis=1) + self.pos_embed
-    feats = []
+    if prompts is not None:
+      prompts = jnp.broadcast_to(prompts.astype(x.dtype), (x.shape[0],) + prompts.shape)
+      x = jnp.concatenate([x[:, :1], prompts, x[:, 1:]], axis=1)
+    feats, cls_feats = [], []
     for blk in self.blocks:
-      x = blk(x)
+      if return_cls:
+        out, h = blk(x, return_norm1=True)
+        if feats:
+          cls_feats.append(h[:, 0])  # the previous block's class token, normalised by this block's norm1
+        x = out
+      else:
+        x = blk(x)
       feats.append(x)
     x = self.norm(x)[:, 0]
-    if pre_logits or self.config.num_classes == 0:
-      out = x
-    else:
-      out = self.head(x)
-      if self.class_subset is not None:
-        out = out[:, jnp.asarray(self.class_subset, jnp.int32)]
+    out = x if pre_logits else self.classify(x)
+    if return_cls:
+      return out, jnp.stack(cls_feats + [x], axis=1)
     return (out, tuple(feats)) if return_features else out
 
 

@@ -1,0 +1,177 @@
+"""FOA (Niu et al., ICML 2024): forward-only adaptation, as in ``mr-eggplant/FOA``.
+
+``tta_library/foa.py``, ``models/vpt.py`` and ``main.py``:
+
+* Adapted: ``num_prompts`` (3) prompt tokens of width D, inserted after the class token and before the
+  patch tokens, after the position embedding. No weight changes and no gradient: the prompts
+  are searched by CMA-ES (`pcsr_jax.cmaes`: pycma's defaults, x0 = 0, sigma0 = 1, popsize 27 =
+  4 + 3 ln(3 * 768)). The first "previous best" is the VPT initialization, Xavier-uniform with
+  bound ``sqrt(6 / (3 * patch^2 + D))``.
+* Per batch (28 forwards, 0 backwards): the 27 new samples plus the previous best are each run
+  on the batch; fitness = sum over the batch of the entropy of the (unshifted) logits
+  + lambda * (||std_b - std_src||^2 + ||mean_b - mean_src||^2) * B / 64, over the
+  per-layer class-token features (every block's output normalised by the next block's norm1,
+  the last by the final norm; ``[depth * D]``). ``std`` is torch's unbiased ``std_mean``.
+  All 28 are told to CMA-ES; the next previous best is this batch's lowest fitness.
+* Activation shifting (eq. 7-9): the prediction is ``head(cls_last + mu_src,last - h)``
+  where ``h`` is an EMA (``h <- 0.9 h + 0.1 m``, the first batch sets it) of ``m``, the mean
+  over the 28 candidates of the batch mean of the last-layer feature. ``h`` is updated after
+  the forwards, so the first batch is not shifted. The reported logits are those of this
+  batch's best candidate (prediction "before" the update; ``eval_orders = ("before",)``:
+  an "after" forward would have no defined prompt or shift).
+* Source statistics: mean and unbiased std of the per-layer features *without prompts* over
+  all clean source images (the official loops over all of ImageNet val; its ``break`` is
+  commented out).
+
+Padded rows are excluded from every statistic and sum; ``B`` is the number of valid rows (a batch
+with a single valid row leaves out the std term, where torch's would be NaN).
+Deviations: JAX's random numbers instead of numpy's (seed 2020) for the CMA-ES samples, and
+the initial prompts are drawn from ``seed`` once, so every domain (reset) starts from the same
+prompts, where the official re-draws them from torch's global stream at each ``reset()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar, Iterator
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from pcsr_jax import losses
+from pcsr_jax.cmaes import CMAES, CMAState
+from pcsr_jax.errors import UserError
+from pcsr_jax.methods.base import Method, Prepared, merge
+
+Array = jax.Array
+
+
+@flax.struct.dataclass
+class FOAState:
+  """CMA-ES state, the previous batch's best prompts ``[P * D]`` and the activation-shift EMA ``[D]``."""
+
+  es: CMAState
+  best: Array
+  hist: Array
+  hist_valid: Array
+
+
+def masked_std_mean(x: Array, valid: Array) -> tuple[Array, Array]:
+  """torch.std_mean(x, dim=0) (unbiased std) over the rows where ``valid``."""
+  w = valid.astype(x.dtype)[:, None]
+  n = jnp.sum(w)
+  mean = jnp.sum(x * w, axis=0) / n
+  var = jnp.sum(jnp.square(x - mean) * w, axis=0) / (n - 1)
+  return jnp.sqrt(var), mean
+
+
+@dataclasses.dataclass(frozen=True)
+class FOA(Method):
+  name: ClassVar[str] = "foa"
+  cost: ClassVar[str] = "28F"
+  eval_orders: ClassVar[tuple[str, ...]] = ("before",)
+  source_data: ClassVar[str] = "required"  # source_images None: all of them
+
+  num_prompts: int = 3
+  popsize: int = 27  # 4 + 3 ln(3 * 768), fixed in the official code
+  fitness_lambda: float = 0.4  # 0.2 for ImageNet-R
+  sigma0: float = 1.0
+  shift: bool = True  # activation shifting (eq. 7)
+  seed: int = 2020  # the initial prompts
+  chunk: int = 0  # candidates evaluated at once (jax.lax.map batch_size); 0: all 28
+
+  def __post_init__(self):
+    if self.num_prompts < 1:
+      raise UserError(f"foa num_prompts: expected a positive integer, got {self.num_prompts}")
+    if self.popsize < 3:
+      raise UserError(f"foa popsize: expected at least 3, got {self.popsize}")
+    if self.chunk < 0:
+      raise UserError(f"foa chunk: expected 0 (all candidates) or a positive integer, got {self.chunk}")
+
+  def prepare(self, model, params, rng, batch_size):
+    return Prepared(model, params, is_trainable=lambda path: False, tx=optax.identity())
+
+  def cma(self, model) -> CMAES:
+    return CMAES(self.num_prompts * model.config.embed_dim, self.popsize, self.sigma0)
+
+  def initial_prompts(self, model) -> Array:
+    """VPT's Xavier-uniform init of the ``[P, D]`` prompts (``models/vpt.py``)."""
+    c = model.config
+    bound = math.sqrt(6.0 / (c.in_chans * c.patch_size**2 + c.embed_dim))
+    return jax.random.uniform(jax.random.key(self.seed), (self.num_prompts, c.embed_dim), jnp.float32,
+                              -bound, bound)
+
+  def init_extra(self, prep, trainable, opt_state):
+    es = self.cma(prep.model)
+    d = prep.model.config.embed_dim
+    return FOAState(es=es.init(jnp.zeros(es.dim)), best=self.initial_prompts(prep.model).reshape(-1),
+                    hist=jnp.zeros(d), hist_valid=jnp.zeros((), bool))
+
+  def compute_source_stats(self, prep: Prepared, frozen: Any, trainable: Any,
+                           batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Mean and unbiased std over all source images of the per-layer class-token features, no prompts."""
+    variables = {"params": merge(frozen, trainable)}
+    features = jax.jit(lambda x: prep.model.apply(variables, x, return_cls=True)[1])
+    n, total, total_sq = 0, 0.0, 0.0
+    for images, _ in batches:
+      f = np.asarray(features(images), np.float64).reshape(len(images), -1)
+      n, total, total_sq = n + len(f), total + f.sum(0), total_sq + np.square(f).sum(0)
+    mean = total / n
+    std = np.sqrt(np.maximum(total_sq - n * np.square(mean), 0.0) / (n - 1))
+    return {"mean": mean.astype(np.float32), "std": std.astype(np.float32)}
+
+  def evaluate(self, prep: Prepared, frozen: Any, images: Array, valid: Array, prompts: Array,
+               shift: Array) -> tuple[Array, Array, Array]:
+    """One candidate's ``(fitness, reported logits, batch mean of the last-layer feature)``.
+
+    ``prompts`` is ``[P, D]``; ``shift`` ``[D]`` is added to the last-layer feature for the
+    reported logits (zeros: no shifting).
+    """
+    variables = {"params": frozen}
+    logits, cls = prep.model.apply(variables, images, prompts=prompts, return_cls=True)
+    b, depth, d = cls.shape
+    std, mean = masked_std_mean(cls.reshape(b, depth * d), valid)
+    n = jnp.sum(valid)
+    # One valid row has no std (torch: NaN, which would poison the CMA-ES state): its term is left out.
+    std_term = jnp.where(n > 1, jnp.sum(jnp.square(std - prep.consts["std"])), 0.0)
+    discrepancy = self.fitness_lambda * (std_term + jnp.sum(jnp.square(mean - prep.consts["mean"]))) * n / 64
+    fitness = jnp.sum(jnp.where(valid, losses.entropy(logits), 0.0)) + discrepancy
+    shifted = prep.model.apply(variables, cls[:, -1] + shift, method=prep.model.classify)
+    return fitness, shifted, mean[-d:]
+
+  def update(self, prep, frozen, state, images, valid):
+    rng, key = jax.random.split(state.rng)
+    samples, es_state = self.cma(prep.model).ask(key, state.extra.es)
+    state = state.replace(rng=rng, extra=state.extra.replace(es=es_state))
+    state, logits, metrics, _ = self.adapt(prep, frozen, state, images, valid, samples)
+    return state, logits, metrics
+
+  def adapt(self, prep: Prepared, frozen: Any, state: Any, images: Array, valid: Array,
+            samples: Array) -> tuple[Any, Array, dict[str, Array], Array]:
+    """The step after ``ask``: evaluate ``samples`` ``[popsize, P * D]`` and the previous best, tell.
+
+    Returns ``(state, logits, metrics, fitness of the popsize + 1 candidates)``.
+    """
+    foa: FOAState = state.extra
+    d = prep.model.config.embed_dim
+    candidates = jnp.concatenate([samples, foa.best[None]])  # the previous best last, as the official
+    shift = jnp.where(foa.hist_valid & self.shift, prep.consts["mean"][-d:] - foa.hist, 0.0)
+
+    def one(prompts):
+      return self.evaluate(prep, frozen, images, valid, prompts.reshape(self.num_prompts, d), shift)
+
+    fitness, logits, means = jax.lax.map(one, candidates, batch_size=self.chunk or candidates.shape[0])
+    best = jnp.argmin(fitness)  # the first of equal minima, as the official's strict `>`
+    sampled = jnp.arange(candidates.shape[0]) < samples.shape[0]
+    es_state = self.cma(prep.model).tell(foa.es, candidates, fitness, sampled)
+    m = jnp.mean(means, axis=0)
+    hist = jnp.where(foa.hist_valid, 0.9 * foa.hist + 0.1 * m, m)
+    extra = FOAState(es=es_state, best=candidates[best], hist=hist, hist_valid=jnp.ones((), bool))
+    state = state.replace(extra=extra, step=state.step + 1)
+    metrics = {"fitness": fitness[best], "sigma": es_state.sigma,
+               "best_is_previous": (best == samples.shape[0]).astype(jnp.int32)}
+    return state, logits[best], metrics, fitness
