@@ -15,6 +15,8 @@ import typing
 
 from pcsr_jax.errors import UserError, check_fields
 from pcsr_jax.methods.base import AdaptState, Method, Prepared
+from pcsr_jax.methods.cfa import CFA
+from pcsr_jax.methods.eata import EATA
 from pcsr_jax.methods.pcsr import PCSR
 from pcsr_jax.methods.sar import SAR
 from pcsr_jax.methods.source import Source
@@ -26,6 +28,9 @@ REGISTRY: dict[str, tuple[type[Method], dict]] = {
     "sar": (SAR, {}),
     "pcsr": (PCSR, {}),  # the authors' recipe: SAR's base + PCSR's modules
     "pcsr-frozen": (PCSR, {"recipe": "frozen"}),  # the paper's text alone: backbone frozen, plain SGD
+    "eata": (EATA, {}),
+    "eta": (EATA, {"fisher_alpha": 0.0}),  # EATA without the Fisher regularizer: no source data
+    "cfa": (CFA, {}),
 }
 
 
@@ -67,4 +72,4 @@ def coerce(cls: type, values: dict, name: str) -> dict:
   return out
 
 
-__all__ = ["AdaptState", "Method", "PCSR", "Prepared", "REGISTRY", "SAR", "Source", "Tent", "get"]
+__all__ = ["AdaptState", "CFA", "EATA", "Method", "PCSR", "Prepared", "REGISTRY", "SAR", "Source", "Tent", "get"]

@@ -125,7 +125,9 @@ class VisionTransformer(nn.Module):
   Input: float32 NHWC images normalized with the checkpoint's mean and std.
   Output: ``[B, num_classes]`` logits, or ``[B, D]`` features when
   ``num_classes == 0``. With ``return_features=True`` it also returns the token
-  features after every block (a tuple of ``[B, T, D]``).
+  features after every block (a tuple of ``[B, T, D]``); with ``return_prelogits=True``
+  it returns ``(logits, prelogits)`` instead, the ``[B, D]`` input of the head (the
+  final LayerNorm's class token: CFA's and T3A's feature).
   """
 
   config: ViTConfig
@@ -151,7 +153,9 @@ class VisionTransformer(nn.Module):
     if c.num_classes > 0:
       self.head = nn.Dense(c.num_classes)
 
-  def __call__(self, x: Array, return_features: bool = False):
+  def __call__(self, x: Array, return_features: bool = False, return_prelogits: bool = False):
+    if return_features and return_prelogits:
+      raise ValueError("return_features and return_prelogits are exclusive")
     x = self.patch_embed(x)
     cls = jnp.broadcast_to(self.cls_token, (x.shape[0], 1, x.shape[-1])).astype(x.dtype)
     x = jnp.concatenate([cls, x], axis=1) + self.pos_embed
@@ -163,6 +167,8 @@ class VisionTransformer(nn.Module):
     logits = self.head(x) if self.config.num_classes > 0 else x
     if self.class_subset is not None:
       logits = logits[:, jnp.asarray(self.class_subset, jnp.int32)]
+    if return_prelogits:
+      return logits, x
     return (logits, tuple(feats)) if return_features else logits
 
 
