@@ -58,7 +58,7 @@ def clip_grad_norm_torch(max_norm: float) -> optax.GradientTransformation:
 
   def update(grads, state, params=None):
     del params
-    norm = optax.global_norm(grads)
+    norm = optax.tree.norm(grads)
     scale = jnp.minimum(max_norm / (norm + 1e-6), 1.0)
     return jax.tree.map(lambda g: g * scale.astype(g.dtype), grads), state
 
@@ -172,4 +172,4 @@ class CFA(Method):
     (loss, (logits, full, cls, classes)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.trainable)
     state = self.apply_gradients(prep, state, grads).replace(step=state.step + 1)
     return state, logits, {"loss": loss, "loss_full": full, "loss_class": cls, "num_classes": classes,
-                           "grad_norm": optax.global_norm(grads)}
+                           "grad_norm": optax.tree.norm(grads)}
