@@ -88,8 +88,11 @@ def run_torch(a) -> dict:
       (a.batch_size, 3, cfg.img_size, cfg.img_size)).astype(np.float32)).to(dev)
   from pcsr_jax import methods
 
-  # A method with source statistics computes them from ``source_batches`` (here random batches, as on the JAX side).
-  kw = {"source_batches": [x, x]} if methods.get(a.method).uses_source_data() else {}
+  # A method with source statistics computes them from ``source_batches`` (here random batches, as on the JAX
+  # side; with the same labels when it needs them).
+  method = methods.get(a.method)
+  labels = torch.from_numpy(np.arange(a.batch_size) % cfg.num_classes).to(dev)
+  kw = {"source_batches": [(x, labels) if method.source_labels else x] * 2} if method.uses_source_data() else {}
   ref = make_reference(a.method, model, a.batch_size, **kw)
   sync = torch.cuda.synchronize if cuda else (lambda: None)
   t0 = time.perf_counter()

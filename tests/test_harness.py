@@ -127,12 +127,12 @@ def test_bad_input_matrix(world, tmp_path):
       "severity folder '3' not found": ["--data", d, "--checkpoint", c, "--corruptions", "fog", "--severity", "3"],
       "not a pcsr-jax checkpoint": ["--data", d, "--checkpoint", str(bad_ckpt), "--corruptions", "fog"],
       "the checkpoint's head has 10 classes": ["--data", d, "--checkpoint", ckpt10, "--corruptions", "fog"],
-      "unknown method 'eata'": ["--data", d, "--checkpoint", c, "--methods", "tent,eata"],
+      "unknown method 'no-such-method'": ["--data", d, "--checkpoint", c, "--methods", "tent,no-such-method"],
       "unknown setting 'wild'": ["--data", d, "--checkpoint", c, "--setting", "wild"],
   }
   for expected, args in cases.items():
     out = tmp_path / f"out_{abs(hash(expected))}"
-    if expected in ("unknown method 'eata'", "data dir not found"):  # two through the real CLI process
+    if expected in ("unknown method 'no-such-method'", "data dir not found"):  # two through the real CLI process
       r = cli(*args, "--output", str(out))
       assert r.returncode == 2, (expected, r.stderr)
       assert expected in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

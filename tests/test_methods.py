@@ -209,8 +209,8 @@ def test_pcsr_vit_large_preset():
 def test_unknown_method():
   from pcsr_jax.errors import UserError
 
-  with pytest.raises(UserError, match="unknown method 'eata'"):
-    methods.get("eata")
+  with pytest.raises(UserError, match="unknown method 'no-such-method'"):
+    methods.get("no-such-method")
 
 
 def test_pcsr_frozen_optional_reset_shares_sars_recovery():

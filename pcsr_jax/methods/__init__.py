@@ -15,7 +15,9 @@ import typing
 
 from pcsr_jax.errors import UserError, check_fields
 from pcsr_jax.methods.base import AdaptState, Method, Prepared
+from pcsr_jax.methods.cfa import CFA
 from pcsr_jax.methods.deyo import DeYO
+from pcsr_jax.methods.eata import EATA
 from pcsr_jax.methods.foa import FOA
 from pcsr_jax.methods.pcsr import PCSR
 from pcsr_jax.methods.sar import SAR
@@ -30,7 +32,10 @@ REGISTRY: dict[str, tuple[type[Method], dict]] = {
     "pcsr": (PCSR, {}),  # the authors' recipe: SAR's base + PCSR's modules
     "pcsr-frozen": (PCSR, {"recipe": "frozen"}),  # the paper's text alone: backbone frozen, plain SGD
     "t3a": (T3A, {}),
+    "eta": (EATA, {"fisher_alpha": 0.0}),  # EATA without the Fisher regularizer: no source data
+    "eata": (EATA, {}),
     "deyo": (DeYO, {}),
+    "cfa": (CFA, {}),
     "foa": (FOA, {}),
 }
 
@@ -73,5 +78,5 @@ def coerce(cls: type, values: dict, name: str) -> dict:
   return out
 
 
-__all__ = ["AdaptState", "DeYO", "FOA", "Method", "PCSR", "Prepared", "REGISTRY", "SAR", "Source", "T3A", "Tent",
-           "get"]
+__all__ = ["AdaptState", "CFA", "DeYO", "EATA", "FOA", "Method", "PCSR", "Prepared", "REGISTRY", "SAR", "Source",
+           "T3A", "Tent", "get"]
