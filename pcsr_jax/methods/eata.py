@@ -99,6 +99,12 @@ class EATA(Method):
   def uses_source_data(self) -> bool:
     return self.fisher_alpha != 0
 
+  def source_free(self) -> "EATA":
+    return dataclasses.replace(self, fisher_alpha=0.0)
+
+  def source_free_note(self) -> str:
+    return "ETA: no Fisher regularizer, fisher_alpha 0"
+
   def prepare(self, model, params, rng, batch_size):
     lr = self.lr if self.lr is not None else sar_code_lr(batch_size)
     return Prepared(model, params, is_trainable=is_layernorm_param, tx=sgd(lr, self.momentum))
