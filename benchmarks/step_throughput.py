@@ -4,8 +4,10 @@
 
 Each framework runs in its own subprocess (so peak memory is its own), on the
 same architecture, method, batch size and protocol, random-init weights and
-random batches. After ``--warmup`` steps it times ``--steps`` steps, waiting
-for each step's logits (JAX ``block_until_ready``, CUDA ``synchronize``).
+one random batch kept on the device. After ``--warmup`` steps it times
+``--steps`` steps, waiting for each step's logits (JAX ``block_until_ready``,
+CUDA ``synchronize``). ``--dtype bfloat16`` runs JAX's backbone in bf16
+(float32 params and optimizer state) and PyTorch's step under bf16 autocast.
 Prints images/s for both, their ratio, the compile (first-step) time and the
 peak memory: device peak on a GPU, the process's peak RSS on the CPU.
 """
@@ -31,88 +33,163 @@ def peak_rss_mb() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def run_jax(a) -> dict:
+FP32_MATMUL = ("tf32", "highest")
+
+
+def torch_fp32_matmul(policy: str) -> None:
+  """float32 matmul/conv precision of PyTorch on Ampere+ GPUs, as `time_jax` sets JAX's: "tf32"
+  (TensorFloat-32, ``allow_tf32``) or "highest" (true float32). No effect on CPUs or on bf16 math."""
+  import torch
+
+  torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = policy == "tf32"
+
+
+def _time(step, sync, steps: int, warmup: int) -> tuple[float, float]:
+  """(first-step seconds, seconds per step over ``steps`` timed steps after ``warmup``), syncing every step."""
+  t0 = time.perf_counter()
+  step()
+  sync()
+  first_s = time.perf_counter() - t0
+  for _ in range(warmup):
+    step()
+  sync()
+  t0 = time.perf_counter()
+  for _ in range(steps):
+    step()
+    sync()
+  return first_s, (time.perf_counter() - t0) / steps
+
+
+def jax_inputs(arch: str, batch_size: int, checkpoint: str | None = None):
+  """(model, params, images): the float32 model of ``arch`` (random init, or a converted checkpoint's)."""
+  import jax
+  import numpy as np
+
+  from pcsr_jax.models import create, get_config, init_params
+
+  if checkpoint:
+    from pcsr_jax import checkpoint as ckpt
+
+    model, params, _ = ckpt.load(checkpoint)
+  else:
+    model = create(get_config(arch))
+    params = init_params(model, jax.random.key(0))
+  c = model.config
+  x = np.random.default_rng(0).standard_normal((batch_size, c.img_size, c.img_size, 3)).astype(np.float32)
+  return model, params, x
+
+
+def time_jax(method_name: str, model, params, x, *, steps: int, warmup: int, dtype: str = "float32",
+             attention: str = "matmul", fp32_matmul: str = "tf32") -> dict:
+  """Images/s of the engine's step on one batch kept on the device (as the PyTorch side keeps its own).
+
+  A float32 run computes its matmuls at ``fp32_matmul`` precision ("tf32": TensorFloat-32 on Ampere+ GPUs,
+  "highest": true float32; CPUs ignore it); a bf16 run at the backbone's own bf16.
+  """
+  import contextlib
+  import warnings
+
   import jax
   import numpy as np
 
   from pcsr_jax import engine, methods
-  from pcsr_jax.models import get_config, create, init_params
+  from pcsr_jax.models.vit import compute_dtype
 
-  cfg = get_config(a.arch)
-  model = create(cfg)
-  params = init_params(model, jax.random.key(0))
-  method = methods.get(a.method)
-  x = np.random.default_rng(0).standard_normal((a.batch_size, cfg.img_size, cfg.img_size, 3)).astype(np.float32)
+  model = model.clone(dtype=compute_dtype(dtype), attention=attention)
+  method = methods.get(method_name)
+  b = x.shape[0]
   stats = None
   if method.uses_source_data():  # statistics of random "source" batches: the step's cost does not depend on them
     from pcsr_jax.methods.base import split
-    prep = method.prepare(model, params, jax.random.key(0), a.batch_size)
+    prep = method.prepare(model, params, jax.random.key(0), b)
     frozen, trainable = split(prep.params, prep.is_trainable)
-    labels = np.arange(a.batch_size, dtype=np.int32) % cfg.num_classes
+    labels = np.arange(b, dtype=np.int32) % model.config.num_classes
     stats = method.compute_source_stats(prep, frozen, trainable, iter([(x, labels)] * 2))
-  ad = engine.Adapter(method, model, params, batch_size=a.batch_size, source_stats=stats)
-  state = ad.init_state()
-  t0 = time.perf_counter()
-  state, logits, _ = ad.step(state, x)
-  logits.block_until_ready()
-  compile_s = time.perf_counter() - t0
-  for _ in range(a.warmup):
-    state, logits, _ = ad.step(state, x)
-  logits.block_until_ready()
-  t0 = time.perf_counter()
-  for _ in range(a.steps):
-    state, logits, _ = ad.step(state, x)
-    logits.block_until_ready()
-  dt = time.perf_counter() - t0
+  ad = engine.Adapter(method, model, params, batch_size=b, source_stats=stats)
+  placed = ad.place(x)
+  box = {"state": ad.init_state()}
+
+  def step():
+    box["state"], box["logits"], _ = ad.step_placed(box["state"], placed)
+
+  precision = (jax.default_matmul_precision("tensorfloat32" if fp32_matmul == "tf32" else "highest")
+               if dtype == "float32" else contextlib.nullcontext())
+  with precision, warnings.catch_warnings(record=True) as caught:  # the fused attention's fallback warns
+    warnings.simplefilter("always")
+    first_s, dt = _time(step, lambda: box["logits"].block_until_ready(), steps, warmup)
+  fell_back = any("using 'matmul'" in str(w.message) for w in caught)
   dev = jax.devices()[0]
-  stats = dev.memory_stats() if dev.platform == "gpu" else None
-  peak = stats["peak_bytes_in_use"] / 2**20 if stats else peak_rss_mb()
-  return dict(framework="jax", device=dev.device_kind, images_per_s=a.steps * a.batch_size / dt,
-              compile_s=compile_s, peak_mb=peak, peak_kind="device" if stats else "rss",
+  mem = dev.memory_stats() if dev.platform == "gpu" else None
+  return dict(framework="jax", device=dev.device_kind, images_per_s=b / dt, step_ms=1e3 * dt, compile_s=first_s,
+              dtype=dtype, attention="matmul" if fell_back else attention,
+              fp32_matmul=fp32_matmul if dtype == "float32" else None,
+              peak_mb=mem["peak_bytes_in_use"] / 2**20 if mem else peak_rss_mb(), peak_kind="device" if mem else "rss",
               version=jax.__version__)
 
 
-def run_torch(a) -> dict:
+def torch_inputs(arch: str, batch_size: int, state_dict=None):
+  """(model, images) on the GPU if there is one: timm's model of ``arch`` (``state_dict``: numpy arrays)."""
   import numpy as np
   import torch
 
-  from benchmarks.torch_reference import make_reference
   from pcsr_jax import timm_parity
   from pcsr_jax.models import get_config
 
-  cuda = torch.cuda.is_available()
-  dev = torch.device("cuda" if cuda else "cpu")
-  cfg = get_config(a.arch)
-  model = timm_parity.timm_model(cfg).to(dev)
+  dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+  cfg = get_config(arch)
+  model = timm_parity.timm_model(cfg, state_dict).to(dev)
   x = torch.from_numpy(np.random.default_rng(0).standard_normal(
-      (a.batch_size, 3, cfg.img_size, cfg.img_size)).astype(np.float32)).to(dev)
+      (batch_size, 3, cfg.img_size, cfg.img_size)).astype(np.float32)).to(dev)
+  return model, x
+
+
+def time_torch(method_name: str, model, x, *, steps: int, warmup: int, dtype: str = "float32") -> dict:
+  """Images/s of the PyTorch reference's step (eager; ``dtype='bfloat16'``: the whole step under autocast).
+  ``model`` is adapted in place: pass a fresh copy per call."""
+  import contextlib
+
+  import torch
+
+  from benchmarks.torch_reference import make_reference
   from pcsr_jax import methods
 
+  if dtype not in ("float32", "bfloat16"):
+    raise UserError(f"--dtype: expected float32 or bfloat16, got '{dtype}'")
+  cuda = x.is_cuda
   # A method with source statistics computes them from ``source_batches`` (here random batches, as on the JAX
   # side; with the same labels when it needs them).
-  method = methods.get(a.method)
-  labels = torch.from_numpy(np.arange(a.batch_size) % cfg.num_classes).to(dev)
+  method = methods.get(method_name)
+  labels = torch.arange(x.shape[0], device=x.device) % model.head.out_features
   kw = {"source_batches": [(x, labels) if method.source_labels else x] * 2} if method.uses_source_data() else {}
-  ref = make_reference(a.method, model, a.batch_size, **kw)
-  sync = torch.cuda.synchronize if cuda else (lambda: None)
-  t0 = time.perf_counter()
-  ref.step(x)
-  sync()
-  first_s = time.perf_counter() - t0
-  for _ in range(a.warmup):
-    ref.step(x)
-  sync()
+  ref = make_reference(method_name, model, x.shape[0], **kw)
+  autocast = (torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16) if dtype == "bfloat16"
+              else contextlib.nullcontext())
+
+  def step():
+    with autocast:
+      ref.step(x)
+
   if cuda:
     torch.cuda.reset_peak_memory_stats()
-  t0 = time.perf_counter()
-  for _ in range(a.steps):
-    ref.step(x)
-    sync()
-  dt = time.perf_counter() - t0
+  first_s, dt = _time(step, torch.cuda.synchronize if cuda else (lambda: None), steps, warmup)
   peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else peak_rss_mb()
-  return dict(framework="torch", device=torch.cuda.get_device_name() if cuda else "cpu",
-              images_per_s=a.steps * a.batch_size / dt, compile_s=first_s, peak_mb=peak,
-              peak_kind="device" if cuda else "rss", version=torch.__version__, threads=torch.get_num_threads())
+  b = x.shape[0]
+  return dict(framework="torch", device=torch.cuda.get_device_name() if cuda else "cpu", images_per_s=b / dt,
+              step_ms=1e3 * dt, compile_s=first_s, dtype=dtype, peak_mb=peak, peak_kind="device" if cuda else "rss",
+              fp32_matmul=("tf32" if torch.backends.cuda.matmul.allow_tf32 else "highest") if cuda and
+              dtype == "float32" else None, version=torch.__version__, threads=torch.get_num_threads())
+
+
+def run_jax(a) -> dict:
+  model, params, x = jax_inputs(a.arch, a.batch_size)
+  return time_jax(a.method, model, params, x, steps=a.steps, warmup=a.warmup, dtype=a.dtype, attention=a.attention,
+                  fp32_matmul=a.fp32_matmul)
+
+
+def run_torch(a) -> dict:
+  torch_fp32_matmul(a.fp32_matmul)
+  model, x = torch_inputs(a.arch, a.batch_size)
+  return time_torch(a.method, model, x, steps=a.steps, warmup=a.warmup, dtype=a.dtype)
 
 
 def _method_names() -> list[str]:
@@ -129,6 +206,11 @@ def parser() -> ArgumentParser:
   p.add_argument("--steps", type=int, default=10)
   p.add_argument("--warmup", type=int, default=2)
   p.add_argument("--frameworks", default="jax,torch", help="comma-separated: jax, torch")
+  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                 help="compute dtype: JAX's backbone dtype; PyTorch's step under bf16 autocast")
+  p.add_argument("--attention", default="matmul", help="JAX attention kernel: matmul, xla, cudnn (GPU, bf16)")
+  p.add_argument("--fp32-matmul", default="tf32", choices=FP32_MATMUL,
+                 help="float32 matmul precision on Ampere+ GPUs, both frameworks (tf32: XLA's default)")
   p.add_argument("--json", help="also write the results to this JSON file")
   p.add_argument("--worker", choices=["jax", "torch"], help=argparse.SUPPRESS)  # internal: one framework
   return p
@@ -157,8 +239,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
       raise UserError(f"{fw} worker failed: {tail}")
     results[fw] = json.loads(r.stdout.strip().splitlines()[-1])
-  print(f"{a.method} step ({cost} per batch), {a.arch}, batch {a.batch_size}, {a.steps} timed steps after "
-        f"{a.warmup} warm-up")
+  print(f"{a.method} step ({cost} per batch), {a.arch}, batch {a.batch_size}, {a.dtype}, {a.steps} timed steps "
+        f"after {a.warmup} warm-up")
   for fw, r in results.items():
     print(f"  {fw:5s} [{r['device']}, {r['version']}]: {r['images_per_s']:8.2f} img/s   first step "
           f"(compile) {r['compile_s']:6.2f} s   peak {r['peak_kind']} {r['peak_mb']:8.0f} MiB")

@@ -117,12 +117,21 @@ class Adapter:
       images = np.concatenate([images, pad])
     return images, valid
 
-  def step(self, state: AdaptState, images) -> tuple[AdaptState, jax.Array, dict[str, jax.Array]]:
-    """One online step on a batch (NHWC, normalized). Logits of padded rows are garbage: use ``[:n]``."""
+  def place(self, images) -> tuple[jax.Array, jax.Array]:
+    """A batch (NHWC, normalized) padded and put on the mesh: ``(images, valid)`` for `step_placed`."""
     images, valid = self.pad(np.asarray(images, np.float32))
     images = jax.make_array_from_process_local_data(self._batch_sharding, images)
     valid = jax.make_array_from_process_local_data(self._batch_sharding, valid)
-    return self._step(self.frozen, self.consts, state, images, valid)
+    return images, valid
+
+  def step(self, state: AdaptState, images) -> tuple[AdaptState, jax.Array, dict[str, jax.Array]]:
+    """One online step on a batch (NHWC, normalized). Logits of padded rows are garbage: use ``[:n]``."""
+    return self.step_placed(state, self.place(images))
+
+  def step_placed(self, state: AdaptState, placed: tuple[jax.Array, jax.Array]
+                  ) -> tuple[AdaptState, jax.Array, dict[str, jax.Array]]:
+    """`step` on a batch already on the devices (`place`), e.g. one batch reused by a throughput benchmark."""
+    return self._step(self.frozen, self.consts, state, *placed)
 
   def state_to_host(self, state: AdaptState) -> Any:
     """A numpy pytree of ``state`` for checkpointing (the PRNG key as raw key data)."""

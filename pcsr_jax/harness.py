@@ -28,6 +28,7 @@ from pcsr_jax.progress import Resume, RunProgress, UnitProgress
 from pcsr_jax.data import datasets, imagenet, sources, streams
 from pcsr_jax.data.loader import Loader, decode_throughput
 from pcsr_jax.errors import UserError
+from pcsr_jax.models.vit import ATTENTION_IMPLS, compute_dtype
 
 DATASETS = datasets.NAMES
 
@@ -69,6 +70,10 @@ class RunConfig:
   # CFA/FOA are refused.
   source_data: Optional[str] = None
   source_images: Optional[int] = None  # cap the source images a method's statistics use (records say so)
+  # The backbone's compute dtype (`models.vit`): "float32" (the paper numbers) or "bfloat16" (params, losses and
+  # optimizer state stay float32); the attention kernel: "matmul", "xla" or "cudnn" (GPU, 16-bit dtype).
+  dtype: str = "float32"
+  attention: str = "matmul"
 
   def validate(self) -> None:
     """Every value checked before any work starts: one line naming the flag on the first bad one."""
@@ -97,6 +102,9 @@ class RunConfig:
     if self.dataset == "fmnist_c" and self.images_per_corruption is not None and \
         not 1 <= self.images_per_corruption <= 10000:
       raise UserError(f"--images: expected 1 to 10000, got {self.images_per_corruption}")
+    compute_dtype(self.dtype)
+    if self.attention not in ATTENTION_IMPLS:
+      raise UserError(f"--attention: expected one of {', '.join(ATTENTION_IMPLS)}, got '{self.attention}'")
     if self.eval_order not in (None,) + engine.EVAL_ORDERS:
       raise UserError(f"--eval-order: expected one of {', '.join(engine.EVAL_ORDERS)}, got '{self.eval_order}'")
     unknown = sorted(set(self.method_args) - set(methods.REGISTRY))
@@ -207,6 +215,7 @@ def _setup(cfg: RunConfig, log) -> _Setup:
   cfg.validate()
   spec = datasets.get(cfg.dataset)
   model, params, meta = checkpoint.load(cfg.checkpoint)
+  model = model.clone(dtype=compute_dtype(cfg.dtype), attention=cfg.attention)
   domains = spec.open(cfg, log)
   subset = spec.class_subset()
   for name, src in domains:

@@ -44,6 +44,9 @@ def parser(prog: str, description: str, presets: dict) -> ArgumentParser:
   p.add_argument("--source-images", type=int, help="use at most N source images per method's statistics")
   p.add_argument("--method-args", help="JSON of per-method hyperparameters, e.g. '{\"pcsr\": {\"lr_dsn\": 0.05}}'")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  p.add_argument("--dtype", help="backbone compute dtype: float32 (default, the paper numbers) or bfloat16 "
+                                 "(params, losses, optimizer state stay float32)")
+  p.add_argument("--attention", help="attention kernel: matmul (default), xla, or cudnn (GPU, with bfloat16)")
   return p
 
 
@@ -57,7 +60,7 @@ def config_from_args(a, presets: dict, defaults: Optional[dict] = None):
                batch_size=a.batch_size, output=a.output, limit=a.limit, eval_order=a.eval_order,
                checkpoint_every=a.checkpoint_every, workers=a.workers, imbalance_ratio=a.imbalance_ratio,
                label_shift_indices=a.label_shift_indices, tfds_data_dir=a.tfds_data_dir, image_list=a.image_list,
-               source_data=a.source_data, source_images=a.source_images)
+               source_data=a.source_data, source_images=a.source_images, dtype=a.dtype, attention=a.attention)
   kw.update({k: v for k, v in flags.items() if v is not None})
   if a.methods:
     kw["methods"] = parse_list(a.methods)

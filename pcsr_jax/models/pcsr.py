@@ -82,9 +82,9 @@ class PCSRConfig:
   def uses_dsn(self) -> bool:
     return self.condition in ("domain", "class+domain")
 
-  def make(self) -> "PCSRRecalibrator":
-    """A fresh recalibrator (the `vit.Recalibration` protocol)."""
-    return PCSRRecalibrator(self)
+  def make(self, dtype: Any = None) -> "PCSRRecalibrator":
+    """A fresh recalibrator (the `vit.Recalibration` protocol) computing in the backbone's ``dtype``."""
+    return PCSRRecalibrator(self, dtype)
 
   @staticmethod
   def from_dict(d: dict[str, Any]) -> "PCSRConfig":
@@ -96,9 +96,14 @@ class PCSRConfig:
 
 
 class PCSRRecalibrator(nn.Module):
-  """DSN + aggregation + FGN of one layer: ``(x, h) -> (gamma, beta)``, each ``[B, S, D]``."""
+  """DSN + aggregation + FGN of one layer: ``(x, h) -> (gamma, beta)``, each ``[B, S, D]``.
+
+  ``dtype`` (None: float32) is the DSN's and FGN's compute dtype; their params, the similarity statistic and
+  the attention pooling's softmax stay float32.
+  """
 
   config: PCSRConfig
+  dtype: Any = None
 
   @nn.compact
   def __call__(self, x: Array, h: Array) -> tuple[Array, Array]:
@@ -112,7 +117,7 @@ class PCSRRecalibrator(nn.Module):
         kinit, binit = (lambda key, shape, dtype=jnp.float32: jnp.eye(*shape, dtype=dtype)), nn.initializers.zeros
       else:
         kinit = binit = torch_linear_init(d)
-      f = nn.Dense(d, kernel_init=kinit, bias_init=binit, name="dsn")(patches)
+      f = nn.Dense(d, kernel_init=kinit, bias_init=binit, dtype=self.dtype, name="dsn")(patches)
       self.sow("losses", "similarity", mean_pairwise_cosine(f))  # [B], for eq. 3
       domain = self._aggregate(f)
       self.sow("intermediates", "domain_token", domain)
@@ -130,7 +135,7 @@ class PCSRRecalibrator(nn.Module):
     s = 3 if c.qkv_factors == "independent" else 1
     fan_in = cond.shape[-1]
     init = nn.initializers.zeros if c.fgn_init == "zero" else torch_linear_init(fan_in)
-    out = nn.Dense(2 * s * d, kernel_init=init, bias_init=init, name="fgn")(cond)
+    out = nn.Dense(2 * s * d, kernel_init=init, bias_init=init, dtype=self.dtype, name="fgn")(cond)
     gamma, beta = jnp.split(out, 2, axis=-1)
     b = out.shape[0]
     return 1.0 + gamma.reshape(b, s, d), beta.reshape(b, s, d)

@@ -9,6 +9,20 @@ scale ``head_dim ** -0.5``, and a position embedding whose slot 0 belongs to
 the class token (concatenate the class token first, then add). The head reads
 token 0.
 
+Mixed precision. ``dtype`` (default None: float32 throughout, the paper-number
+path) is the compute dtype of the backbone, e.g. ``jnp.bfloat16``: patch
+embedding, blocks and their LayerNorm outputs compute in it, while the params
+stay float32 (so gradients and optimizer state are float32), LayerNorm
+statistics and the attention softmax are computed in float32, and the final
+norm, the head and the returned logits and features are float32. The model
+config (and so checkpoints and their conversion) does not depend on it.
+
+Attention kernels. ``attention='matmul'`` (the default) is the head-major
+batched-matmul softmax attention below. ``'xla'`` and ``'cudnn'`` call
+``jax.nn.dot_product_attention`` with that implementation; cuDNN's fused
+(flash) attention needs a CUDA GPU and a 16-bit ``dtype``, and where it is not
+available at trace time the model warns once and falls back to ``'matmul'``.
+
 Scale-shift recalibration. `Attention` takes an optional per-sample
 ``(gamma, beta)`` and computes ``gamma * X + beta`` for X in {Q, K, V} over all
 tokens and all heads before the softmax attention (PCSR, eqs. 6-7). The factors
@@ -20,17 +34,21 @@ exactly what timm's does.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional, Protocol, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from pcsr_jax.errors import UserError
 from pcsr_jax.models.configs import ViTConfig
 
 Array = jax.Array
 
 LN_EPS = 1e-6  # timm: partial(nn.LayerNorm, eps=1e-6)
+ATTENTION_IMPLS = ("matmul", "xla", "cudnn")
+Dtype = Any  # a jnp floating dtype, or None for float32
 
 
 class Recalibration(Protocol):
@@ -40,12 +58,13 @@ class Recalibration(Protocol):
   its norm1 output, both ``[B, T, D]`` with the class token at 0 -- to
   ``(gamma, beta)`` of shape ``[B, S, D]``, where S is 1 (factors shared by
   Q, K and V) or 3 (independent factors for Q, K, V in that order).
+  ``dtype`` is the backbone's compute dtype (None: float32), for its layers.
   """
 
   shared_across_layers: bool
   skip_blocks: tuple[int, ...]  # blocks left without a recalibrator
 
-  def make(self) -> nn.Module:
+  def make(self, dtype: Dtype = None) -> nn.Module:
     ...
 
 
@@ -59,11 +78,12 @@ class PatchEmbed(nn.Module):
 
   patch_size: int
   embed_dim: int
+  dtype: Dtype = None
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
     p = self.patch_size
-    x = nn.Conv(self.embed_dim, (p, p), strides=(p, p), padding="VALID", name="proj")(x)
+    x = nn.Conv(self.embed_dim, (p, p), strides=(p, p), padding="VALID", dtype=self.dtype, name="proj")(x)
     b, h, w, d = x.shape
     return x.reshape(b, h * w, d)
 
@@ -73,33 +93,57 @@ class Attention(nn.Module):
 
   dim: int
   num_heads: int
+  dtype: Dtype = None
+  implementation: str = "matmul"  # one of ATTENTION_IMPLS (see the module docstring)
 
   @nn.compact
   def __call__(self, x: Array, scale_shift: Optional[tuple[Array, Array]] = None) -> Array:
     b, t, d = x.shape
     h = self.num_heads
-    qkv = nn.Dense(3 * d, name="qkv")(x).reshape(b, t, 3, d)  # timm rows: q | k | v
+    qkv = nn.Dense(3 * d, dtype=self.dtype, name="qkv")(x).reshape(b, t, 3, d)  # timm rows: q | k | v
     if scale_shift is not None:
       gamma, beta = scale_shift  # [B, 1 or 3, D]: one factor per channel = per head slice
+      if self.dtype is not None:
+        gamma, beta = gamma.astype(self.dtype), beta.astype(self.dtype)
       qkv = gamma[:, None] * qkv + beta[:, None]
-    qkv = qkv.reshape(b, t, 3, h, d // h).transpose(2, 0, 3, 1, 4)  # [3, B, H, T, Dh], as timm
-    q, k, v = qkv[0], qkv[1], qkv[2]
-    # softmax(q k^T / sqrt(head_dim)) v, as timm (and eq. 7 with d = head dim). Head-major batched
-    # matmuls: on XLA:CPU about 1.4x faster than jax.nn.dot_product_attention's [B, T, H, Dh] layout.
-    attn = jax.nn.softmax(jnp.matmul(q * (d // h) ** -0.5, jnp.swapaxes(k, -1, -2)), axis=-1)
-    out = jnp.matmul(attn, v).transpose(0, 2, 1, 3).reshape(b, t, d)
-    return nn.Dense(d, name="proj")(out)
+    out = self._fused(qkv.reshape(b, t, 3, h, d // h)) if self.implementation != "matmul" else None
+    if out is None:
+      qkv = qkv.reshape(b, t, 3, h, d // h).transpose(2, 0, 3, 1, 4)  # [3, B, H, T, Dh], as timm
+      q, k, v = qkv[0], qkv[1], qkv[2]
+      # softmax(q k^T / sqrt(head_dim)) v, as timm (and eq. 7 with d = head dim). Head-major batched
+      # matmuls: on XLA:CPU about 1.4x faster than jax.nn.dot_product_attention's [B, T, H, Dh] layout.
+      scores = jnp.matmul(q * (d // h) ** -0.5, jnp.swapaxes(k, -1, -2))
+      if self.dtype is not None and scores.dtype != jnp.float32:  # a 16-bit softmax loses the small weights
+        attn = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(scores.dtype)
+      else:
+        attn = jax.nn.softmax(scores, axis=-1)
+      out = jnp.matmul(attn, v).transpose(0, 2, 1, 3)
+    return nn.Dense(d, dtype=self.dtype, name="proj")(out.reshape(b, t, d))
+
+  def _fused(self, qkv: Array) -> Optional[Array]:
+    """``jax.nn.dot_product_attention`` on ``[B, T, 3, H, Dh]``, ``[B, T, H, Dh]`` out; None if unavailable."""
+    if self.implementation not in ATTENTION_IMPLS:
+      raise UserError(f"attention: expected one of {', '.join(ATTENTION_IMPLS)}, got '{self.implementation}'")
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    try:  # the cuDNN kernel checks backend, dtype and shapes while tracing
+      return jax.nn.dot_product_attention(q, k, v, implementation=self.implementation)
+    except Exception as e:  # noqa: BLE001 -- any refusal means "use the matmul path"
+      _warn_once(f"attention='{self.implementation}' unavailable here ({type(e).__name__}: "
+                 f"{str(e).splitlines()[0][:120] if str(e) else ''}); using 'matmul'")
+      return None
 
 
 class Mlp(nn.Module):
   """timm ``Mlp``: fc1 -> exact GELU -> fc2."""
 
   hidden_dim: int
+  dtype: Dtype = None
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
     d = x.shape[-1]
-    return nn.Dense(d, name="fc2")(gelu(nn.Dense(self.hidden_dim, name="fc1")(x)))
+    x = gelu(nn.Dense(self.hidden_dim, dtype=self.dtype, name="fc1")(x))
+    return nn.Dense(d, dtype=self.dtype, name="fc2")(x)
 
 
 class Block(nn.Module):
@@ -109,14 +153,17 @@ class Block(nn.Module):
   num_heads: int
   mlp_dim: int
   recalibrator: Optional[nn.Module] = None
+  dtype: Dtype = None
+  attention: str = "matmul"
 
   @nn.compact
   def __call__(self, x: Array, return_norm1: bool = False):
     """The block's output; with ``return_norm1`` also its norm1 output (``[B, T, D]`` each)."""
-    h = nn.LayerNorm(epsilon=LN_EPS, name="norm1")(x)
+    h = nn.LayerNorm(epsilon=LN_EPS, dtype=self.dtype, name="norm1")(x)  # flax: statistics in float32
     ss = self.recalibrator(x, h) if self.recalibrator is not None else None
-    x = x + Attention(self.dim, self.num_heads, name="attn")(h, ss)
-    out = x + Mlp(self.mlp_dim, name="mlp")(nn.LayerNorm(epsilon=LN_EPS, name="norm2")(x))
+    x = x + Attention(self.dim, self.num_heads, self.dtype, self.attention, name="attn")(h, ss)
+    out = x + Mlp(self.mlp_dim, self.dtype, name="mlp")(nn.LayerNorm(epsilon=LN_EPS, dtype=self.dtype,
+                                                                     name="norm2")(x))
     return (out, h) if return_norm1 else out
 
 
@@ -146,10 +193,14 @@ class VisionTransformer(nn.Module):
   recalibration: Optional[Any] = None  # a `Recalibration` spec, e.g. pcsr.PCSRConfig
   # Restrict the logits to these classes (ImageNet-R/-A: their 200 of the 1000 ImageNet classes).
   class_subset: Optional[tuple[int, ...]] = None
+  dtype: Dtype = None  # the backbone's compute dtype (None: float32); params stay float32
+  attention: str = "matmul"  # one of ATTENTION_IMPLS
 
   def setup(self):
     c = self.config
-    self.patch_embed = PatchEmbed(c.patch_size, c.embed_dim)
+    if self.attention not in ATTENTION_IMPLS:
+      raise UserError(f"attention: expected one of {', '.join(ATTENTION_IMPLS)}, got '{self.attention}'")
+    self.patch_embed = PatchEmbed(c.patch_size, c.embed_dim, self.dtype)
     self.cls_token = self.param("cls_token", nn.initializers.normal(1e-6), (1, 1, c.embed_dim))
     self.pos_embed = self.param("pos_embed", nn.initializers.normal(0.02), (1, c.num_patches + 1, c.embed_dim))
     recals: Sequence[Optional[nn.Module]] = [None] * c.depth
@@ -157,11 +208,12 @@ class VisionTransformer(nn.Module):
       layers = [i for i in range(c.depth) if i not in self.recalibration.skip_blocks]
       n = 1 if self.recalibration.shared_across_layers else len(layers)
       # Top-level children (``recal_0`` ...: the j-th recalibrated block's), so the backbone tree stays timm's.
-      self.recal = [self.recalibration.make() for _ in range(n)]
+      self.recal = [self.recalibration.make(self.dtype) for _ in range(n)]
       for j, i in enumerate(layers):
         recals[i] = self.recal[j % n]
-    self.blocks = [Block(c.embed_dim, c.num_heads, c.mlp_dim, recalibrator=recals[i]) for i in range(c.depth)]
-    self.norm = nn.LayerNorm(epsilon=LN_EPS)
+    self.blocks = [Block(c.embed_dim, c.num_heads, c.mlp_dim, recalibrator=recals[i], dtype=self.dtype,
+                         attention=self.attention) for i in range(c.depth)]
+    self.norm = nn.LayerNorm(epsilon=LN_EPS)  # float32 with the head: the logits feed entropies and filters
     if c.num_classes > 0:
       self.head = nn.Dense(c.num_classes)
 
@@ -178,20 +230,23 @@ class VisionTransformer(nn.Module):
                return_cls: bool = False, pre_logits: bool = False):
     x = self.patch_embed(x)
     cls = jnp.broadcast_to(self.cls_token, (x.shape[0], 1, x.shape[-1])).astype(x.dtype)
-    x = jnp.concatenate([cls, x], axis=1) + self.pos_embed
+    pos = self.pos_embed if self.dtype is None else self.pos_embed.astype(self.dtype)
+    x = jnp.concatenate([cls, x], axis=1) + pos
     if prompts is not None:
       prompts = jnp.broadcast_to(prompts.astype(x.dtype), (x.shape[0],) + prompts.shape)
       x = jnp.concatenate([x[:, :1], prompts, x[:, 1:]], axis=1)
+    f32 = (lambda a: a) if self.dtype is None else (lambda a: a.astype(jnp.float32))
     feats, cls_feats = [], []
     for blk in self.blocks:
       if return_cls:
         out, h = blk(x, return_norm1=True)
         if feats:
-          cls_feats.append(h[:, 0])  # the previous block's class token, normalised by this block's norm1
+          cls_feats.append(f32(h[:, 0]))  # the previous block's class token, normalised by this block's norm1
         x = out
       else:
         x = blk(x)
-      feats.append(x)
+      feats.append(f32(x))
+    x = f32(x)
     x = self.norm(x)[:, 0]
     out = x if pre_logits else self.classify(x)
     if return_cls:
@@ -199,9 +254,28 @@ class VisionTransformer(nn.Module):
     return (out, tuple(feats)) if return_features else out
 
 
-def create(config: ViTConfig, recalibration: Optional[Any] = None) -> VisionTransformer:
-  """The Flax module for ``config``; ``recalibration`` plugs in e.g. PCSR."""
-  return VisionTransformer(config, recalibration)
+def create(config: ViTConfig, recalibration: Optional[Any] = None, dtype: Dtype = None,
+           attention: str = "matmul") -> VisionTransformer:
+  """The Flax module for ``config``; ``recalibration`` plugs in e.g. PCSR; ``dtype`` and ``attention`` as
+  in the module docstring (e.g. ``create(cfg, dtype=jnp.bfloat16, attention='cudnn')`` on a GPU)."""
+  return VisionTransformer(config, recalibration, dtype=dtype, attention=attention)
+
+
+def compute_dtype(name: str) -> Dtype:
+  """The ``dtype`` for a command-line name: None for 'float32' (the default path), else the jnp dtype."""
+  names = {"float32": None, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+  if name not in names:
+    raise UserError(f"--dtype: expected one of {', '.join(names)}, got '{name}'")
+  return names[name]
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+  if msg not in _warned:
+    _warned.add(msg)
+    warnings.warn(msg, stacklevel=3)
 
 
 def init_params(model: VisionTransformer, rng: Array, batch_size: int = 1) -> dict:

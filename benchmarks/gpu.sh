@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One-shot GPU report (issue 14): JAX vs PyTorch step img/s per method in float32 and bf16, and the end-to-end
+# harness on generated JPEGs. Installs nothing: it uses the python3 found (jax with CUDA, torch, timm, flax,
+# optax, orbax) and this checkout on PYTHONPATH. Writes report.json, report.md and logs to $OUT if set.
+#
+#   bash benchmarks/gpu.sh                 # on the GPU machine (ViT-B/16, batch 64; budget 390 s)
+#   bash benchmarks/gpu.sh --cpu-smoke     # dry run of the whole pipeline on a CPU (ViT-Ti, batch 4, 1 step)
+#
+# Extra flags go to benchmarks/gpu_report.py (e.g. --methods source,tent --budget-s 300).
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY="${PYTHON:-python3}"
+echo "== $(date -u +%FT%TZ) $(hostname) $(nproc) cores, $(free -g 2>/dev/null | awk '/Mem:/{print $2" GiB"}')"
+command -v nvidia-smi >/dev/null && nvidia-smi -L && \
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
+"$PY" - <<'PY'
+import importlib, sys
+print("python", sys.version.split()[0])
+for name in ("jax", "jaxlib", "flax", "optax", "orbax.checkpoint", "torch", "timm", "safetensors", "numpy", "PIL",
+             "tqdm", "matplotlib", "tensorflow_datasets"):
+  try:
+    m = importlib.import_module(name)
+    print(f"  {name} {getattr(m, '__version__', '?')}")
+  except Exception as e:
+    print(f"  {name}: not available ({type(e).__name__})")
+try:
+  import jax
+  print("  jax devices:", jax.devices())
+except Exception as e:
+  print("  jax devices: failed:", e)
+PY
+# One step of the report never waits on another framework's memory: the workers run one at a time, JAX with its
+# default preallocation. The whole report has a hard limit just under the device's 10-minute command limit.
+exec timeout --signal=TERM --kill-after=10 570 "$PY" benchmarks/gpu_report.py "$@"

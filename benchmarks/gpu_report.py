@@ -1,0 +1,542 @@
+"""One-shot GPU report: JAX vs PyTorch step throughput per method and precision, and the end-to-end harness.
+
+    python benchmarks/gpu_report.py                # ViT-B/16, batch 64, on the GPU (benchmarks/gpu.sh runs it)
+    python benchmarks/gpu_report.py --cpu-smoke    # the same pipeline with ViT-Ti, batch 4, 1 step, a few images
+
+Phases, each in its own subprocess with a deadline (a hang or crash costs that phase, never the report):
+
+1. *prepare*: a randomized timm ViT (every parameter, `timm_parity.randomize_`) saved as safetensors and
+   converted by the `convert_weights` pipeline; both frameworks and the harness use these weights.
+2. *torch*: the PyTorch reference (`benchmarks/torch_reference.py`) of every method, eager float32 and the
+   whole step under bf16 autocast, on one batch kept on the GPU.
+3. *jax*: the engine's step of every method in float32 and with a bfloat16 backbone (`models.vit` ``dtype``;
+   cuDNN fused attention on a GPU, falling back to the matmul attention when cuDNN refuses), on one batch
+   kept on the device. Steps are lowered and compiled ahead in a few threads (XLA's compiler releases the
+   GIL), the first two alone so that the GEMM autotuning cache is warm for the others; timing is sequential.
+4. *e2e*: ``experiments/imagenet_c.py`` (the harness, every core decoding) on generated 224 px JPEGs in the
+   ImageNet-C layout, bfloat16, Source (the fastest step, so the hardest to feed) and TENT; the steady-state
+   img/s is the second corruption's (the step compiles during the first), set against the bare step's img/s
+   and the decode-only img/s.
+5. *extras* (time permitting): JAX bf16 with the matmul attention, to show what cuDNN attention buys.
+
+Timing: ``--warmup`` steps after the first (compile) step, then ``--steps`` steps, each waited for (JAX
+``block_until_ready``, ``torch.cuda.synchronize``). float32 matmuls use TF32 on both sides by default
+(``--fp32-matmul``: XLA's GPU default; PyTorch's ``allow_tf32``). Results: a markdown table on stdout, and
+``report.json``, ``report.md`` and the workers' logs in ``--out`` (default ``$OUT`` if set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Optional, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+TAG = "@@"  # workers' protocol lines on stdout: @@START <job id>, @@RESULT <json>, @@INFO <json>
+
+
+def emit(kind: str, payload: Any) -> None:
+  print(f"{TAG}{kind} {json.dumps(payload)}", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------- workers
+
+
+def worker_prepare(a) -> None:
+  """Randomized timm model -> safetensors -> converted checkpoint (what a user runs, `convert_weights`)."""
+  import numpy as np
+  from safetensors.torch import save_file
+
+  from pcsr_jax import timm_parity, weights
+  from pcsr_jax.models import get_config
+
+  t0 = time.perf_counter()
+  model = timm_parity.timm_model(get_config(a.arch))
+  timm_parity.randomize_(model, seed=0)
+  src = os.path.join(a.work, "model.safetensors")
+  save_file(model.state_dict(), src)
+  weights.convert_checkpoint(src, os.path.join(a.work, "ckpt"))
+  n = sum(int(np.prod(p.shape)) for p in model.parameters())
+  emit("RESULT", dict(job="prepare", seconds=time.perf_counter() - t0, params=n))
+
+
+def worker_torch(a) -> None:
+  import copy
+
+  import torch
+  from safetensors.torch import load_file
+
+  from benchmarks import step_throughput as st
+
+  st.torch_fp32_matmul(a.fp32_matmul)
+  sd = {k: v.numpy() for k, v in load_file(os.path.join(a.work, "model.safetensors")).items()}
+  base, x = st.torch_inputs(a.arch, a.batch_size, sd)
+  emit("INFO", dict(torch=torch.__version__, cuda=torch.version.cuda, device=torch.cuda.get_device_name()
+                    if x.is_cuda else "cpu", cudnn=torch.backends.cudnn.version()))
+  for job in a.jobs.split(","):
+    method, dtype = job.split(":")
+    emit("START", job)
+    try:
+      r = st.time_torch(method, copy.deepcopy(base), x, steps=a.steps, warmup=a.warmup, dtype=dtype)
+      emit("RESULT", dict(job=job, **r))
+    except Exception as e:  # noqa: BLE001 -- one method's failure is reported, the others go on
+      emit("RESULT", dict(job=job, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"))
+    if x.is_cuda:
+      torch.cuda.empty_cache()
+
+
+def worker_jax(a) -> None:
+  """Builds, lowers and compiles every job's step ahead (threads), then times them one by one."""
+  import concurrent.futures as cf
+  import contextlib
+
+  import jax
+  import numpy as np
+
+  from benchmarks import step_throughput as st
+  from pcsr_jax import engine, methods
+  from pcsr_jax.models.vit import compute_dtype
+
+  model0, params, x = st.jax_inputs(a.arch, a.batch_size, os.path.join(a.work, "ckpt"))
+  import jaxlib
+
+  emit("INFO", dict(jax=jax.__version__, jaxlib=jaxlib.__version__, backend=jax.default_backend(),
+                    devices=[str(d) for d in jax.devices()], device_kind=jax.devices()[0].device_kind))
+
+  def precision(dtype: str):
+    if dtype != "float32":
+      return contextlib.nullcontext()
+    return jax.default_matmul_precision("tensorfloat32" if a.fp32_matmul == "tf32" else "highest")
+
+  def build(job: str, attention: str):
+    method_name, dtype, _ = job.split(":")
+    t0 = time.perf_counter()
+    with precision(dtype):  # thread-local config: set in the thread that lowers
+      model = model0.clone(dtype=compute_dtype(dtype), attention=attention)
+      method = methods.get(method_name)
+      stats = None
+      if method.uses_source_data():  # statistics of random "source" batches: the step's cost does not depend on them
+        from pcsr_jax.methods.base import split
+        prep = method.prepare(model, params, jax.random.key(0), a.batch_size)
+        frozen, trainable = split(prep.params, prep.is_trainable)
+        labels = np.arange(a.batch_size, dtype=np.int32) % model.config.num_classes
+        stats = method.compute_source_stats(prep, frozen, trainable, iter([(x, labels)] * 2))
+      ad = engine.Adapter(method, model, params, batch_size=a.batch_size, source_stats=stats)
+      placed = ad.place(x)
+      lowered = ad._step.lower(ad.frozen, ad.consts, ad.init_state(), *placed)
+      used = attention
+      if attention == "cudnn" and "cudnn" not in lowered.as_text().lower():
+        used = "matmul"  # the model fell back while tracing (no cuDNN, or a shape/dtype it refuses)
+      compiled = lowered.compile()
+    return dict(ad=ad, placed=placed, compiled=compiled, compile_s=time.perf_counter() - t0, attention=used)
+
+  def build_guarded(job: str):
+    attention = job.split(":")[2]
+    try:
+      return build(job, attention)
+    except Exception as e:  # noqa: BLE001
+      if attention != "cudnn":
+        raise
+      out = build(job, "matmul")  # cuDNN failed at compile time: the matmul attention instead
+      out["attention_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+      return out
+
+  jobs = a.jobs.split(",")
+  pool = cf.ThreadPoolExecutor(max(1, a.compile_threads))
+  futures = {j: pool.submit(build_guarded, j) for j in jobs[:2]}  # alone first: warms the autotuning cache
+  for f in futures.values():
+    f.exception()
+  futures.update({j: pool.submit(build_guarded, j) for j in jobs[2:]})
+  for job in jobs:
+    emit("START", job)
+    try:
+      b = futures.pop(job).result()
+      ad, compiled, placed = b["ad"], b["compiled"], b["placed"]
+      box = {"state": ad.init_state()}
+
+      def step():
+        box["state"], box["logits"], _ = compiled(ad.frozen, ad.consts, box["state"], *placed)
+
+      first_s, dt = st._time(step, lambda: box["logits"].block_until_ready(), a.steps, a.warmup)
+      dtype = job.split(":")[1]
+      r = dict(job=job, framework="jax", images_per_s=a.batch_size / dt, step_ms=1e3 * dt, compile_s=b["compile_s"],
+               first_step_s=first_s, dtype=dtype, attention=b["attention"],
+               fp32_matmul=a.fp32_matmul if dtype == "float32" else None)
+      if "attention_error" in b:
+        r["attention_error"] = b["attention_error"]
+      emit("RESULT", r)
+      del b, ad, compiled, placed, box
+    except Exception as e:  # noqa: BLE001
+      emit("RESULT", dict(job=job, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"))
+  pool.shutdown(wait=False, cancel_futures=True)
+
+
+def worker_e2e(a) -> None:
+  """The harness (`experiments/imagenet_c.py`'s code path) on generated JPEGs; emits its throughput."""
+  from pcsr_jax import harness
+
+  out = os.path.join(a.work, f"e2e_{a.dtype}")
+  cfg = harness.RunConfig(data=os.path.join(a.work, "data"), checkpoint=os.path.join(a.work, "ckpt"), output=out,
+                          methods=tuple(a.jobs.split(",")), corruptions=CORRUPTIONS, seeds=(2022,),
+                          batch_size=a.batch_size, progress=False, dtype=a.dtype, attention=a.attention)
+  t0 = time.perf_counter()
+  try:
+    harness.run(cfg, log=lambda *m: print(*m, file=sys.stderr, flush=True))
+  except ImportError as e:  # matplotlib missing: the plots come after results.json
+    print(f"harness outputs after results.json skipped: {e}", file=sys.stderr)
+  with open(os.path.join(out, "results.json")) as f:
+    res = json.load(f)
+  wall = time.perf_counter() - t0
+  for m in cfg.methods:
+    recs = [r for r in res["records"] if r["method"] == m]
+    steady = recs[-1]  # the last corruption: the step was compiled during the first
+    tp = res["throughput"][f"{m}/seed2022"]
+    emit("RESULT", dict(job=m, steady_images_per_s=steady["num_samples"] / max(steady["seconds"], 1e-9),
+                        steady_images=steady["num_samples"], with_compile_images_per_s=tp["images_per_s"],
+                        images=tp["images"], decode_images_per_s=res["decode_images_per_s"], dtype=a.dtype,
+                        attention=a.attention, workers=os.cpu_count(), harness_wall_s=wall))
+
+
+CORRUPTIONS = ("gaussian_noise", "fog")
+
+
+def _one_jpeg(args) -> None:
+  """A 224 px JPEG with natural-image-like statistics (smooth structure + grain), quality 85 like ImageNet-C."""
+  import numpy as np
+  from PIL import Image
+
+  path, seed = args
+  rng = np.random.default_rng(seed)
+  low = Image.fromarray(rng.integers(0, 256, (14, 14, 3), dtype=np.uint8)).resize((224, 224), Image.BICUBIC)
+  img = np.asarray(low, np.float32) + rng.normal(0, 12, (224, 224, 3))
+  Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(path, quality=85)
+
+
+def make_jpegs(root: str, per_corruption: int, classes: int = 10) -> float:
+  """``root/<corruption>/5/<wnid>/*.JPEG`` (real wnids), written by all cores; returns the seconds taken."""
+  import multiprocessing as mp
+
+  from pcsr_jax.data import imagenet
+
+  t0 = time.perf_counter()
+  wnids = imagenet.wnids()[::1000 // classes][:classes]
+  todo = []
+  for c in CORRUPTIONS:
+    for k in range(per_corruption):
+      d = os.path.join(root, c, "5", wnids[k % classes])
+      os.makedirs(d, exist_ok=True)
+      todo.append((os.path.join(d, f"ILSVRC2012_val_{k:08d}.JPEG"), len(todo)))
+  with mp.get_context("fork").Pool(os.cpu_count()) as pool:
+    pool.map(_one_jpeg, todo, chunksize=16)
+  return time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------------------------------------------ driver
+
+
+class Report:
+  def __init__(self, a):
+    self.a = a
+    self.t0 = time.monotonic()
+    self.data: dict[str, Any] = dict(config={k: v for k, v in vars(a).items() if k != "worker"}, phases={},
+                                     info={}, results={}, failures={})
+
+  def left(self) -> float:
+    return self.a.budget_s - (time.monotonic() - self.t0)
+
+  def log(self, msg: str) -> None:
+    print(f"[{time.monotonic() - self.t0:6.1f} s] {msg}", flush=True)
+
+  def run_worker(self, phase: str, jobs: list[str], deadline_s: float, extra: Sequence[str] = ()) -> dict:
+    """Runs ``--worker phase`` over ``jobs`` until all report or ``deadline_s`` passes; a crashed worker is
+    restarted without the job it was on. Returns ``{job: result}``."""
+    results: dict[str, dict] = {}
+    end = time.monotonic() + max(0.0, deadline_s)
+    todo = list(jobs)
+    log_path = os.path.join(self.a.work, f"{phase}.log")
+    while todo and time.monotonic() < end:
+      cmd = [sys.executable, os.path.abspath(__file__), "--worker", phase, "--jobs", ",".join(todo)] + self.common + \
+          list(extra)
+      with open(log_path, "a") as errf:
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errf, text=True, cwd=ROOT)
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(l) for l in p.stdout] + [lines.put(None)], daemon=True).start()
+        current = None
+        while True:
+          try:
+            line = lines.get(timeout=max(0.1, end - time.monotonic()))
+          except queue.Empty:
+            line = "timeout"
+          if line is None or line == "timeout":
+            break
+          if not line.startswith(TAG):
+            continue
+          kind, _, payload = line[len(TAG):].partition(" ")
+          payload = json.loads(payload)
+          if kind == "START":
+            current = payload
+          elif kind == "INFO":
+            self.data["info"].update(payload)
+          elif kind == "RESULT":
+            results[payload["job"]] = payload
+            if payload["job"] in todo:
+              todo.remove(payload["job"])
+            self.log(f"{phase} {payload['job']}: " + (f"FAILED {payload['error']}" if "error" in payload else
+                                                       _brief(payload)))
+        if p.poll() is None:
+          p.kill()
+        p.wait()
+      if line == "timeout":
+        for j in todo:
+          results[j] = dict(job=j, error=f"not done within the {phase} phase's {deadline_s:.0f} s")
+        self.log(f"{phase}: deadline reached, {len(todo)} job(s) left out")
+        break
+      if todo:  # the worker died: drop the job it was on (or, if none started, everything left)
+        tail = _tail(log_path)
+        bad = [current] if current in todo else list(todo)
+        for j in bad:
+          results[j] = dict(job=j, error=f"{phase} worker exited with code {p.returncode}: {tail}")
+          todo.remove(j)
+        self.log(f"{phase}: worker exited ({p.returncode}) on {', '.join(bad)}: {tail}")
+    return results
+
+  @property
+  def common(self) -> list[str]:
+    a = self.a
+    return ["--arch", a.arch, "--batch-size", str(a.batch_size), "--steps", str(a.steps), "--warmup", str(a.warmup),
+            "--work", a.work, "--fp32-matmul", a.fp32_matmul, "--compile-threads", str(a.compile_threads)]
+
+  def phase(self, name: str, seconds: float) -> None:
+    self.data["phases"][name] = round(seconds, 1)
+
+
+def _brief(r: dict) -> str:
+  if "images_per_s" in r:
+    return (f"{r['images_per_s']:.1f} img/s ({r['step_ms']:.1f} ms/step, compile/first step "
+            f"{r.get('compile_s', 0):.1f} s{', attention ' + r['attention'] if 'attention' in r else ''})")
+  if "steady_images_per_s" in r:
+    return f"{r['steady_images_per_s']:.1f} img/s steady, {r['with_compile_images_per_s']:.1f} with compile"
+  return json.dumps(r)
+
+
+def _tail(path: str) -> str:
+  try:
+    with open(path) as f:
+      lines = [l.strip() for l in f.read().splitlines() if l.strip()]
+    return (lines or ["no output"])[-1][:300]
+  except OSError:
+    return "no log"
+
+
+def has_torch_reference(method: str) -> bool:
+  from benchmarks.torch_reference import ORIGINAL
+
+  return method in ORIGINAL or os.path.isfile(
+      os.path.join(ROOT, "benchmarks", "torch_methods", method.replace("-", "_") + ".py"))
+
+
+def fmt(r: Optional[dict], key: str = "images_per_s") -> str:
+  if r is None:
+    return "-"
+  if "error" in r:
+    return "failed"
+  return f"{r[key]:.0f}" if r[key] >= 100 else f"{r[key]:.1f}"
+
+
+def ratio(j: Optional[dict], t: Optional[dict]) -> str:
+  if not j or not t or "error" in j or "error" in t:
+    return "-"
+  return f"{j['images_per_s'] / t['images_per_s']:.2f}x"
+
+
+def tables(rep: Report, names: list[str], bf16_attention: str) -> str:
+  a, res = rep.a, rep.data["results"]
+  info = rep.data["info"]
+  jx, tc = res.get("jax", {}), res.get("torch", {})
+  lines = [f"## Step throughput, img/s ({a.arch}, batch {a.batch_size}, {a.steps} timed steps after {a.warmup} "
+           f"warm-up; {info.get('device_kind', info.get('device', '?'))})", "",
+           f"float32 matmuls: {a.fp32_matmul} on both sides; JAX bf16: bfloat16 backbone (float32 params, "
+           f"optimizer state, losses), attention '{bf16_attention}'; torch autocast: the whole step under "
+           f"bf16 autocast.", "",
+           "| method | JAX fp32 | torch fp32 | ratio | JAX bf16 | torch autocast | ratio |",
+           "|---|---|---|---|---|---|---|"]
+  notes = []
+  for m in names:
+    j32, jbf = jx.get(f"{m}:float32:matmul"), jx.get(f"{m}:bfloat16:{bf16_attention}")
+    t32, tbf = tc.get(f"{m}:float32"), tc.get(f"{m}:bfloat16")
+    lines.append(f"| {m} | {fmt(j32)} | {fmt(t32)} | {ratio(j32, t32)} | {fmt(jbf)} | {fmt(tbf)} | "
+                 f"{ratio(jbf, tbf)} |")
+    for r in (j32, jbf, t32, tbf):
+      if r and "error" in r:
+        notes.append(f"- {r['job']}: {r['error']}")
+      elif r and r.get("attention_error"):
+        notes.append(f"- {r['job']}: cuDNN attention failed ({r['attention_error']}); measured with 'matmul'")
+      elif r and r.get("attention") and r["attention"] != r["job"].split(":")[-1]:
+        notes.append(f"- {r['job']}: ran with attention '{r['attention']}' (cuDNN unavailable at trace time)")
+  lines += [""] + notes
+  extras = {k: v for k, v in jx.items() if k.endswith(":bfloat16:matmul") and bf16_attention != "matmul"}
+  if extras:
+    lines += ["", "JAX bf16, matmul vs cuDNN attention (img/s):", "", "| method | matmul | cudnn |", "|---|---|---|"]
+    for k, r in extras.items():
+      m = k.split(":")[0]
+      lines.append(f"| {m} | {fmt(r)} | {fmt(jx.get(f'{m}:bfloat16:cudnn'))} |")
+  e2e = res.get("e2e", {})
+  if e2e:
+    lines += ["", f"## End to end (harness, {len(CORRUPTIONS)} corruptions x {a.e2e_images} generated 224 px JPEGs, "
+              f"bfloat16, {os.cpu_count()} decode threads)", "",
+              "| method | harness img/s (steady) | harness img/s (compile included) | bare step img/s | "
+              "decode-only img/s | input-bound? |", "|---|---|---|---|---|---|"]
+    for m, r in e2e.items():
+      if "error" in r:
+        lines.append(f"| {m} | failed | | | | |")
+        notes.append(f"- e2e {m}: {r['error']}")
+        continue
+      step = jx.get(f"{m}:bfloat16:{r['attention']}") or {}
+      bare = step.get("images_per_s")
+      bound = "-" if not bare else ("yes" if r["steady_images_per_s"] < 0.9 * bare else "no")
+      lines.append(f"| {m} | {r['steady_images_per_s']:.0f} | {r['with_compile_images_per_s']:.0f} | "
+                   f"{f'{bare:.0f}' if bare else '-'} | {r['decode_images_per_s']:.0f} | {bound} |")
+    lines += ["", "(steady: the last corruption's images over its step-loop time; input-bound: the harness reaches "
+              "less than 90% of the bare step's img/s)"]
+  phases = ", ".join(f"{k} {v:.0f} s" for k, v in rep.data["phases"].items())
+  lines += ["", f"Phases: {phases}; total {time.monotonic() - rep.t0:.0f} s."]
+  return "\n".join(lines) + "\n"
+
+
+def driver(a) -> int:
+  from pcsr_jax import methods
+
+  if a.cpu_smoke:  # ViT-Ti's width and depth at patch 32 (50 tokens): every phase and method, quickly
+    a.arch, a.batch_size, a.steps, a.warmup, a.e2e_images = "vit_tiny_patch32_224", 4, 1, 0, 16
+    a.compile_threads, a.budget_s, a.torch_s, a.reserve_s = 2, max(a.budget_s, 900), 400, 0
+  rep = Report(a)
+  own_work = a.work is None
+  a.work = a.work or tempfile.mkdtemp(prefix="pcsr_gpu_report_")
+  os.makedirs(a.work, exist_ok=True)
+  names = [m.strip() for m in a.methods.split(",")] if a.methods else list(methods.REGISTRY)
+  for m in list(names):
+    if m not in methods.REGISTRY:
+      raise SystemExit(f"--methods: unknown method '{m}'")
+    if not has_torch_reference(m):
+      rep.log(f"skipping {m}: no PyTorch reference (benchmarks/torch_methods/{m.replace('-', '_')}.py)")
+      rep.data["failures"][m] = "no PyTorch reference"
+      names.remove(m)
+  rep.log(f"methods: {', '.join(names)}; {a.arch}, batch {a.batch_size}; budget {a.budget_s:.0f} s; work {a.work}")
+
+  t = time.monotonic()
+  prep = rep.run_worker("prepare", ["prepare"], min(240, rep.left()))
+  rep.phase("prepare", time.monotonic() - t)
+  if "error" in prep.get("prepare", {"error": ""}):
+    rep.log("prepare failed: nothing to measure")
+    rep.data["results"]["prepare"] = prep
+    return finish(rep, names, "matmul")
+
+  # e2e data is generated now (CPU only) so the e2e phase's budget is all harness.
+  t = time.monotonic()
+  gen_s = make_jpegs(os.path.join(a.work, "data"), a.e2e_images)
+  rep.phase("jpegs", time.monotonic() - t)
+  rep.log(f"generated {len(CORRUPTIONS) * a.e2e_images} JPEGs in {gen_s:.1f} s")
+
+  t = time.monotonic()
+  jobs = [f"{m}:{d}" for m in names for d in ("float32", "bfloat16")]
+  rep.data["results"]["torch"] = rep.run_worker("torch", jobs, min(a.torch_s, rep.left() - a.reserve_s))
+  rep.phase("torch", time.monotonic() - t)
+
+  t = time.monotonic()
+  gpu = rep.data["info"].get("device", "cpu") != "cpu" or shutil.which("nvidia-smi") is not None
+  attention = "cudnn" if gpu and not a.no_cudnn else "matmul"
+  jobs = [f"{m}:{d}" for m in names for d in ("float32:matmul", f"bfloat16:{attention}")]
+  jax_res = rep.run_worker("jax", jobs, rep.left() - a.e2e_s)
+  rep.data["results"]["jax"] = jax_res
+  rep.phase("jax", time.monotonic() - t)
+
+  if jax_res:  # the attention the bf16 steps actually ran with (a cuDNN refusal falls back to matmul)
+    used = [r.get("attention") for k, r in jax_res.items() if ":bfloat16:" in k and "error" not in r]
+    e2e_attention = attention if attention in used else "matmul"
+  else:
+    e2e_attention = "matmul"
+  t = time.monotonic()
+  e2e_methods = [m for m in a.e2e_methods.split(",") if m in names]
+  if e2e_methods and rep.left() > 20:
+    rep.data["results"]["e2e"] = rep.run_worker("e2e", e2e_methods, rep.left() - 5,
+                                                ["--dtype", "bfloat16", "--attention", e2e_attention])
+  rep.phase("e2e", time.monotonic() - t)
+
+  t = time.monotonic()
+  if attention == "cudnn" and rep.left() > 30:  # what cuDNN attention buys, on the cheapest methods
+    extra = [f"{m}:bfloat16:matmul" for m in ("source", "tent") if m in names]
+    jax_res.update(rep.run_worker("jax", extra, rep.left() - 5))
+    rep.phase("extras", time.monotonic() - t)
+  out = finish(rep, names, attention)
+  if own_work and not a.keep:
+    shutil.rmtree(a.work, ignore_errors=True)
+  return out
+
+
+def finish(rep: Report, names: list[str], attention: str) -> int:
+  a = rep.a
+  md = tables(rep, names, attention)
+  print("\n" + md, flush=True)
+  rep.data["total_s"] = time.monotonic() - rep.t0
+  if a.out:
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "report.json"), "w") as f:
+      json.dump(rep.data, f, indent=1, default=str)
+    with open(os.path.join(a.out, "report.md"), "w") as f:
+      f.write(md)
+    for name in ("prepare", "torch", "jax", "e2e"):
+      log = os.path.join(a.work, f"{name}.log")
+      if os.path.isfile(log):
+        shutil.copy(log, os.path.join(a.out, f"{name}.log"))
+    print(f"wrote {a.out}/report.json, report.md and the workers' logs", flush=True)
+  return 0
+
+
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="gpu_report.py", description=__doc__.split("\n\n")[0])
+  p.add_argument("--cpu-smoke", action="store_true",
+                 help="ViT-Ti/32, batch 4, 1 step, 16 images per corruption: the whole pipeline on a CPU")
+  p.add_argument("--arch", default="vit_base_patch16_224")
+  p.add_argument("--batch-size", type=int, default=64)
+  p.add_argument("--steps", type=int, default=10)
+  p.add_argument("--warmup", type=int, default=3)
+  p.add_argument("--methods", help="comma-separated (default: every registered method with a PyTorch reference)")
+  p.add_argument("--fp32-matmul", default="tf32", choices=["tf32", "highest"])
+  p.add_argument("--no-cudnn", action="store_true", help="bf16 with the matmul attention only")
+  p.add_argument("--compile-threads", type=int, default=4, help="JAX steps compiled ahead in parallel")
+  p.add_argument("--e2e-methods", default="source,tent", help="source: the fastest step, the hardest to feed")
+  p.add_argument("--e2e-images", type=int, default=2560, help="generated JPEGs per corruption (2 corruptions)")
+  p.add_argument("--budget-s", type=float, default=390.0, help="wall-clock budget of the whole report")
+  p.add_argument("--torch-s", type=float, default=120.0, help="at most this long for the PyTorch phase")
+  p.add_argument("--e2e-s", type=float, default=100.0, help="time kept for the end-to-end phase")
+  p.add_argument("--reserve-s", type=float, default=200.0, help="time the torch phase leaves for JAX and e2e")
+  p.add_argument("--out", default=os.environ.get("OUT"), help="where report.json/.md go (default: $OUT)")
+  p.add_argument("--work", help="scratch dir (default: a temporary one, removed)")
+  p.add_argument("--keep", action="store_true", help="keep the scratch dir")
+  p.add_argument("--worker", choices=["prepare", "torch", "jax", "e2e"], help=argparse.SUPPRESS)
+  p.add_argument("--jobs", help=argparse.SUPPRESS)
+  p.add_argument("--dtype", default="bfloat16", help=argparse.SUPPRESS)
+  p.add_argument("--attention", default="matmul", help=argparse.SUPPRESS)
+  return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  a = parser().parse_args(argv)
+  if a.worker:
+    {"prepare": worker_prepare, "torch": worker_torch, "jax": worker_jax, "e2e": worker_e2e}[a.worker](a)
+    return 0
+  return driver(a)
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,97 @@
+"""Mixed precision (``dtype=bfloat16``) and the attention kernels of the ViT (`pcsr_jax.models.vit`).
+
+bfloat16 keeps 8 significant bits (relative rounding 2^-9 = 0.2%), and a depth-2 block stack compounds it,
+so bf16 logits are compared with float32 at 3% of the largest |logit| (measured here: 1.1% plain, 1.9% with
+PCSR's recalibrators).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pcsr_jax import engine, methods
+from pcsr_jax.errors import UserError
+from pcsr_jax.models import create
+from pcsr_jax.models.pcsr import PCSRConfig
+from pcsr_jax.models.vit import compute_dtype
+from tiny import TINY, batches, tiny_model
+
+LOGIT_TOL = 0.03  # of max |logit|
+
+
+def _apply(model, params, x, **kw):
+  return jax.jit(lambda p, x: model.apply({"params": p}, x, **kw))(params, x)
+
+
+@pytest.mark.parametrize("recal", [None, PCSRConfig(fgn_init="default")], ids=["vit", "pcsr"])
+def test_bf16_logits_close_to_float32_and_outputs_float32(recal):
+  model, params = tiny_model()
+  if recal is not None:  # the recalibrators' params (non-zero FGN, so the scale-shift is not the identity)
+    model = model.clone(recalibration=recal)
+    params = {**model.init(jax.random.key(1), batches(1, 2)[0])["params"], **params}
+  x = batches(1, 8, seed=3)[0]
+  ref, ref_feats = _apply(model, params, x, return_features=True)
+  out, feats = _apply(model.clone(dtype=jnp.bfloat16), params, x, return_features=True)
+  assert out.dtype == jnp.float32 and all(f.dtype == jnp.float32 for f in feats)
+  scale = float(jnp.abs(ref).max())
+  err = float(jnp.abs(out - ref).max())
+  print(f"bf16 vs float32: max |logit diff| {err:.3g} of max |logit| {scale:.3g}")
+  assert 0 < err < LOGIT_TOL * scale  # > 0: the bf16 path really computed in bf16
+  np.testing.assert_allclose(np.asarray(feats[-1]), np.asarray(ref_feats[-1]), atol=LOGIT_TOL * float(
+      jnp.abs(ref_feats[-1]).max()))
+
+
+def test_float32_default_has_no_16_bit_op_and_explicit_options_match_it():
+  """The default path lowers without any 16-bit op (its HLO equals the pre-mixed-precision model's, checked
+  when the option was added), and naming the defaults changes nothing, bit for bit."""
+  model, params = tiny_model()
+  x = batches(1, 4)[0]
+  text = jax.jit(lambda p, x: model.apply({"params": p}, x)).lower(params, x).as_text()
+  assert "bf16" not in text and "f16" not in text
+  explicit = create(TINY, dtype=compute_dtype("float32"), attention="matmul")
+  np.testing.assert_array_equal(np.asarray(_apply(model, params, x)), np.asarray(_apply(explicit, params, x)))
+
+
+def test_bf16_tent_step_keeps_params_and_optimizer_state_float32():
+  model, params = tiny_model()
+  xs = batches(2, 8, seed=5)
+  runs = {}
+  for name, dtype in (("float32", None), ("bfloat16", jnp.bfloat16)):
+    ad = engine.Adapter(methods.get("tent"), model.clone(dtype=dtype), params, batch_size=8)
+    state = ad.init_state()
+    for x in xs:
+      state, logits, metrics = ad.step(state, x)
+    assert logits.dtype == jnp.float32 and bool(metrics["finite"])
+    leaves = jax.tree.leaves((state.trainable, state.opt_state))
+    assert leaves and all(l.dtype == jnp.float32 for l in leaves if jnp.issubdtype(l.dtype, jnp.floating))
+    runs[name] = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), state.trainable,
+                              ad._initial.trainable)
+  # The bf16 update points the same way as the float32 one.
+  u32 = np.concatenate([u.ravel() for u in jax.tree.leaves(runs["float32"])])
+  u16 = np.concatenate([u.ravel() for u in jax.tree.leaves(runs["bfloat16"])])
+  cos = float(u32 @ u16 / (np.linalg.norm(u32) * np.linalg.norm(u16)))
+  print(f"bf16 vs float32 TENT update: cosine {cos:.4f}")
+  assert np.linalg.norm(u32) > 0 and cos > 0.95
+
+
+def test_fused_attention_kernels():
+  """'xla' computes the same attention as 'matmul'; 'cudnn' without a GPU warns and uses 'matmul'."""
+  model, params = tiny_model()
+  x = batches(1, 4)[0]
+  ref = np.asarray(_apply(model, params, x))
+  np.testing.assert_allclose(np.asarray(_apply(model.clone(attention="xla"), params, x)), ref, atol=1e-5)
+  if jax.default_backend() != "gpu":
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      out = _apply(model.clone(attention="cudnn", dtype=jnp.bfloat16), params, x)
+    assert any("using 'matmul'" in str(w.message) for w in caught)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(_apply(model.clone(dtype=jnp.bfloat16), params, x)))
+  with pytest.raises(UserError, match="attention"):
+    _apply(model.clone(attention="flash"), params, x)
+  with pytest.raises(UserError, match="--dtype"):
+    compute_dtype("int8")
