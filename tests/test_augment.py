@@ -260,13 +260,14 @@ def test_shared_versus_per_sample_draws():
   key = jax.random.PRNGKey(3)
   no_noise = dataclasses.replace(A.COTTA, noise_std=0.0)
   spread = lambda y: float(jnp.abs(y - y[:1]).max())
-  assert spread(A.cotta_augment(key, same, no_noise)) < 1e-6  # one draw for the batch
-  assert spread(A.roid_augment(key, same)) < 1e-6
-  assert spread(A.tta_augment(key, same, no_noise, per_sample=True)) > 0.05
-  assert spread(A.adacontrast_strong(key, same)) > 0.05
-  noisy = A.cotta_augment(key, same)  # the noise is per element even with a shared draw
+  tta = jax.jit(A.tta_augment, static_argnums=(2, 3))
+  assert spread(tta(key, same, no_noise, False)) < 1e-6  # one draw for the batch
+  assert spread(tta(key, same, A.ROID, False)) < 1e-6
+  assert spread(tta(key, same, no_noise, True)) > 0.05
+  assert spread(jax.jit(A.adacontrast_strong)(key, same)) > 0.05
+  noisy = tta(key, same, A.COTTA, False)  # the noise is per element even with a shared draw
   assert 1e-3 < spread(noisy) < 0.05
-  views = A.augmix_views(key, same[0], 8)
+  views = jax.jit(A.augmix_views, static_argnums=2)(key, same[0], 4)
   assert spread(views) > 0.05
 
 
@@ -293,11 +294,24 @@ def test_determinism_ranges_and_jit(name):
     assert float(a.min()) >= 0.0 and float(a.max()) <= 1.0
 
 
-def test_augmix_views_are_mixtures_of_8bit_crops():
+def test_augmix_ops_dispatch():
+  """Each AugMix op index applies the named op (the point ops are checked against PIL above)."""
+  q = ops.quantize(_imgs(b=1)[0])
+  key = jax.random.PRNGKey(0)
+  run = jax.jit(pipelines._augmix_op)
+  np.testing.assert_array_equal(run(key, q, 0), ops.autocontrast(q))
+  np.testing.assert_array_equal(run(key, q, 1), ops.equalize(q))
+  np.testing.assert_array_equal(run(key, q, 8), ops.posterize(q, 4))
+  for op in range(2, 8):
+    out = np.asarray(run(key, q, op))
+    assert np.isin(out, np.arange(256)).all() and out.shape == q.shape
+
+
+def test_augmix_views_shape_and_distinct():
   img = _imgs(b=1)[0]
-  v = np.asarray(A.augmix_views(jax.random.PRNGKey(0), img, 16, size=24))
-  assert v.shape == (16, 24, 24, 3)
-  assert len({round(float(a.mean()), 5) for a in v}) == 16  # every view differs
+  v = np.asarray(jax.jit(A.augmix_views, static_argnums=(2, 3))(jax.random.PRNGKey(0), img, 8, 24))
+  assert v.shape == (8, 24, 24, 3)
+  assert len({round(float(a.mean()), 5) for a in v}) == 8  # every view differs
 
 
 def test_normalize_round_trip():

@@ -9,8 +9,9 @@ Library choice. dm-pix 0.4.5 and augmax 0.4.1 were compared. Neither reproduces 
 follows ``tf.image`` (additive brightness, per-channel contrast mean, saturation in HSV, zero-padded
 blur, no equalize/autocontrast/posterize/resized crop) and needs chex; augmax uses its own invertible
 colour curves (contrast through a tangent curve, grayscale as the channel mean) and was last released
-in 2022. The ops here therefore follow torchvision/PIL directly and lean on JAX itself for the heavy
-parts (``jax.scipy.ndimage.map_coordinates`` for bilinear sampling, ``jnp.fft``).
+in 2022. The ops here therefore follow torchvision/PIL directly on plain ``jax.numpy`` (``jnp.fft`` for
+SPA); bilinear sampling gathers whole pixels, which compiled and ran faster here than
+``jax.scipy.ndimage.map_coordinates`` (that interpolates the channel axis too).
 """
 
 from pcsr_jax.augment.ops import denormalize, normalize

@@ -89,8 +89,8 @@ def tta_apply(x: Array, d: dict[str, Array], cfg: TTAAugConfig) -> Array:
       lambda y: ops.adjust_gamma(jnp.clip(y, 1e-8, 1.0), f[4]),
   ]
   x = jnp.clip(x, 0.0, 1.0)
-  for i in range(5):
-    x = jax.lax.switch(d["order"][i], branches, x)
+  order = jnp.asarray(d["order"])
+  x = jax.lax.fori_loop(0, 5, lambda i, y: jax.lax.switch(order[i], branches, y), x)
   h, w = x.shape[-3], x.shape[-2]
   p = h // 2  # transforms.Pad(int(n_pixels / 2))
   x = ops.pad(x, p, cfg.padding_mode)
@@ -150,9 +150,7 @@ def _adacontrast_strong_one(key: Array, img: Array) -> Array:
   branches = [lambda y: ops.adjust_brightness(y, f[0]), lambda y: ops.adjust_contrast(y, f[1]),
               lambda y: ops.adjust_saturation(y, f[2]), lambda y: ops.adjust_hue(y, f[3])]
   order = jax.random.permutation(ks[4], 4)
-  jit = img
-  for i in range(4):
-    jit = jax.lax.switch(order[i], branches, jit)
+  jit = jax.lax.fori_loop(0, 4, lambda i, y: jax.lax.switch(order[i], branches, y), img)
   img = jnp.where(jax.random.uniform(ks[5]) < 0.8, jit, img)  # RandomApply(p=0.8)
   img = jnp.where(jax.random.uniform(ks[6]) < 0.2, ops.grayscale(img), img)  # RandomGrayscale(0.2)
   sigma = _uniform(ks[7], (0.1, 2.0))
@@ -220,15 +218,17 @@ def _augmix_view(key: Array, img01: Array, size: int) -> Array:
   crop = jnp.where(jax.random.uniform(k_flip) < 0.5, ops.hflip(crop), crop)
   weights = jax.random.dirichlet(k_w, jnp.ones(3))
   m = jax.random.beta(k_m, 1.0, 1.0)
-  mix = jnp.zeros_like(crop)
-  for i, kc in enumerate(jax.random.split(k_chain, 3)):
+
+  def chain(kc):
     k_depth, k_ops, k_lvls = jax.random.split(kc, 3)
-    depth = jax.random.randint(k_depth, (), 1, 4)  # np.random.randint(1, 4)
+    depth = jax.random.randint(k_depth, (), 1, 4)  # np.random.randint(1, 4) ops in this chain
     chosen = jax.random.randint(k_ops, (3,), 0, len(AUGMIX_OPS))
-    x = crop
-    for j, kl in enumerate(jax.random.split(k_lvls, 3)):
-      x = jnp.where(j < depth, _augmix_op(kl, x, chosen[j]), x)
-    mix = mix + weights[i] * x
+    def step(x, j_key):
+      j, kl = j_key
+      return jnp.where(j < depth, _augmix_op(kl, x, chosen[j]), x), None
+    return jax.lax.scan(step, crop, (jnp.arange(3), jax.random.split(k_lvls, 3)))[0]
+
+  mix = jnp.einsum("i,ihwc->hwc", weights, jax.vmap(chain)(jax.random.split(k_chain, 3)))
   return (m * crop + (1.0 - m) * mix) / 255.0
 
 
