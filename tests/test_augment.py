@@ -267,8 +267,6 @@ def test_shared_versus_per_sample_draws():
   assert spread(jax.jit(A.adacontrast_strong)(key, same)) > 0.05
   noisy = tta(key, same, A.COTTA, False)  # the noise is per element even with a shared draw
   assert 1e-3 < spread(noisy) < 0.05
-  views = jax.jit(A.augmix_views, static_argnums=2)(key, same[0], 4)
-  assert spread(views) > 0.05
 
 
 def test_weak_view_flips_per_sample():
@@ -292,6 +290,8 @@ def test_determinism_ranges_and_jit(name):
   assert a.dtype == jnp.float32 and a.shape == ((5, 32, 32, 3) if name == "augmix" else x.shape)
   if name not in ("amp", "noise"):
     assert float(a.min()) >= 0.0 and float(a.max()) <= 1.0
+  if name == "augmix":  # views of one image, each its own draw
+    assert len({round(float(v.mean()), 5) for v in np.asarray(a)}) == 5
 
 
 def test_augmix_ops_dispatch():
@@ -305,13 +305,6 @@ def test_augmix_ops_dispatch():
   for op in range(2, 8):
     out = np.asarray(run(key, q, op))
     assert np.isin(out, np.arange(256)).all() and out.shape == q.shape
-
-
-def test_augmix_views_shape_and_distinct():
-  img = _imgs(b=1)[0]
-  v = np.asarray(jax.jit(A.augmix_views, static_argnums=(2, 3))(jax.random.PRNGKey(0), img, 8, 24))
-  assert v.shape == (8, 24, 24, 3)
-  assert len({round(float(a.mean()), 5) for a in v}) == 8  # every view differs
 
 
 def test_normalize_round_trip():
