@@ -18,6 +18,7 @@ from pcsr_jax.methods.base import AdaptState, Method, Prepared
 from pcsr_jax.methods.pcsr import PCSR
 from pcsr_jax.methods.sar import SAR
 from pcsr_jax.methods.source import Source
+from pcsr_jax.methods.spa import SPA
 from pcsr_jax.methods.tent import Tent
 
 REGISTRY: dict[str, tuple[type[Method], dict]] = {
@@ -26,6 +27,7 @@ REGISTRY: dict[str, tuple[type[Method], dict]] = {
     "sar": (SAR, {}),
     "pcsr": (PCSR, {}),  # the authors' recipe: SAR's base + PCSR's modules
     "pcsr-frozen": (PCSR, {"recipe": "frozen"}),  # the paper's text alone: backbone frozen, plain SGD
+    "spa": (SPA, {}),
 }
 
 
@@ -67,4 +69,4 @@ def coerce(cls: type, values: dict, name: str) -> dict:
   return out
 
 
-__all__ = ["AdaptState", "Method", "PCSR", "Prepared", "REGISTRY", "SAR", "Source", "Tent", "get"]
+__all__ = ["AdaptState", "Method", "PCSR", "Prepared", "REGISTRY", "SAR", "SPA", "Source", "Tent", "get"]
