@@ -217,7 +217,8 @@ def test_jax_and_pytorch_agree_with_the_same_views():
     # The noise draw itself: strengths 1 on a zero image, no clip.
     noise = np.asarray(spa_patch_noise(k_noise, jnp.zeros((1, 32, 32, 3)), jnp.ones(n_strengths), 8,
                                        (-np.inf, np.inf)))[0]
-    views.append((torch.from_numpy(masked.transpose(0, 3, 1, 2)), torch.from_numpy(noise.transpose(2, 0, 1))))
+    views.append((torch.from_numpy(np.ascontiguousarray(masked.transpose(0, 3, 1, 2))),
+                  torch.from_numpy(np.ascontiguousarray(noise.transpose(2, 0, 1)))))
     keys.append((masked, k_noise))
   ref = Reference(timm_parity.timm_model(CFG, sd), B, noise_patch=8, views=views)
 

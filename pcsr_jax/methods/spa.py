@@ -24,8 +24,9 @@
   *ascent*: the noise learns to be as disruptive as possible). The learning rates are fixed, not scaled
   with the batch size (``main.py`` uses them for every batch size). After the step ``alpha`` is rescaled
   so that ``mean(alpha^2) = noise_ratio`` and clipped to [-1, 1] (``fix_patch_alpha``).
-* Prediction: the original forward, before the update. A domain reset (the engine's fresh state)
-  restores the model, the predictor, ``alpha`` and both optimizers, as ``SPA.reset``.
+* Prediction: the original forward, before the update (``eval_order='after'`` re-runs the plain
+  forward, without the predictor, with the updated LayerNorms). A domain reset (the engine's fresh
+  state) restores the model, the predictor, ``alpha`` and both optimizers, as ``SPA.reset``.
 
 The step receives normalised images, as the official model input (mean = std = 0.5 there, so the
 noisy view's [-1, 1] clip is the pixel range [0, 1]). Here the clip bounds are the pixel range under
