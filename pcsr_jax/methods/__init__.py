@@ -22,6 +22,7 @@ from pcsr_jax.methods.foa import FOA
 from pcsr_jax.methods.pcsr import PCSR
 from pcsr_jax.methods.sar import SAR
 from pcsr_jax.methods.source import Source
+from pcsr_jax.methods.spa import SPA
 from pcsr_jax.methods.t3a import T3A
 from pcsr_jax.methods.tent import Tent
 
@@ -37,6 +38,7 @@ REGISTRY: dict[str, tuple[type[Method], dict]] = {
     "deyo": (DeYO, {}),
     "cfa": (CFA, {}),
     "foa": (FOA, {}),
+    "spa": (SPA, {}),
 }
 
 
@@ -78,5 +80,5 @@ def coerce(cls: type, values: dict, name: str) -> dict:
   return out
 
 
-__all__ = ["AdaptState", "CFA", "DeYO", "EATA", "FOA", "Method", "PCSR", "Prepared", "REGISTRY", "SAR", "Source",
-           "T3A", "Tent", "get"]
+__all__ = ["AdaptState", "CFA", "DeYO", "EATA", "FOA", "Method", "PCSR", "Prepared", "REGISTRY", "SAR", "SPA",
+           "Source", "T3A", "Tent", "get"]
