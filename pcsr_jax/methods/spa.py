@@ -75,18 +75,12 @@ def model_params(params: Any) -> Any:
 def apply_with_predictor(model: nn.Module, params: Any, kernel: Array, images: Array) -> Array:
   """Logits of BYOLWrapper's ``use_predictor=True`` path: the head applied to ``feature @ kernel``.
 
-  The head's input is the final-norm class token, so intercepting the head's call and transforming its
-  input inserts the predictor exactly between the final norm and the head (a ``class_subset`` is then
-  applied to the head's output, as the official ``imagenet_mask``).
+  The head's input is the final-norm class token (``pre_logits``), so the predictor sits exactly between
+  the final norm and the head; `classify` then applies the head and a ``class_subset``, as the official
+  ``imagenet_mask``.
   """
-
-  def interceptor(next_fun, args, kwargs, context):
-    if context.module.name == "head" and context.method_name == "__call__":
-      args = (args[0] @ kernel.astype(args[0].dtype),) + tuple(args[1:])
-    return next_fun(*args, **kwargs)
-
-  with nn.intercept_methods(interceptor):
-    return model.apply({"params": params}, images)
+  z = model.apply({"params": params}, images, pre_logits=True)
+  return model.apply({"params": params}, z @ kernel.astype(z.dtype), method="classify")
 
 
 def renormalize_strengths(alpha: Array, noise_ratio: float) -> Array:
