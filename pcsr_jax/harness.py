@@ -276,13 +276,24 @@ def _run_seed(setup: _Setup, seed: int, stop: "_Stop", log) -> bool:
     key = f"{method_name}/seed{seed}"
     if key in setup.progress.done:
       continue
-    method = methods.get(method_name, **cfg.method_args.get(method_name, {}))
+    method = _with_preprocessing(methods.get(method_name, **cfg.method_args.get(method_name, {})),
+                                 cfg.method_args.get(method_name, {}), setup.meta)
     method, stats, used = _source_stats(setup, method, log)
     adapter = engine.Adapter(method, setup.model, setup.params, batch_size=cfg.batch_size,
                              eval_order=cfg.eval_order, seed=seed, source_stats=stats)
     if not _run_unit(setup, key, method_name, seed, adapter, segments, stop, log, used):
       return False
   return True
+
+
+def _with_preprocessing(method: methods.Method, args: dict, meta: dict) -> methods.Method:
+  """A method that augments pixels (CoTTA, ROID, SPA, ...) has ``mean``/``std`` fields to undo the input's
+  normalization: they are the checkpoint's unless ``--method-args`` sets them."""
+  names = {f.name for f in dataclasses.fields(method)}
+  if {"mean", "std"} <= names and not {"mean", "std"} & set(args):
+    method = dataclasses.replace(method, mean=tuple(float(v) for v in meta["mean"]),
+                                 std=tuple(float(v) for v in meta["std"]))
+  return method
 
 
 def _source_stats(setup: _Setup, method: methods.Method, log) -> tuple[methods.Method, Optional[dict], str]:

@@ -32,12 +32,31 @@ SWEPT: dict[str, dict] = {
 # entropy sits below it at every step and SAR resets every step (= Source). Scaled like E0 = 0.4 ln C:
 # 0.2 * ln 10 / ln 1000 = 0.0667. A protocol rule, not a tuned value; it applies to every method with SAR's reset.
 RESET_CONSTANT = 0.0667
+# EATA's redundancy threshold d0 = 0.05 was set for 1,000 classes, where the cosine between a confident
+# prediction and a class-balanced average is about 1/sqrt(1000) = 0.032: d0 sits 1.58x above it and only
+# predictions piling onto recent classes are dropped. At 10 classes that cosine is 1/sqrt(10) = 0.32 and 0.05
+# would drop every sample (EATA = Source). Scaled the same way: 0.05 * sqrt(1000 / 10) = 0.5. A protocol rule,
+# like the reset threshold, not a tuned value.
+D_MARGIN = 0.5
+# SPA's learnable noise patches are ViT-B/16's 16 px patches (196 at 224 px); on this 32 px, patch-8 model the
+# same rule (one strength per model patch) gives 16.
+SPA_NOISE_PATCH = 8
 METHOD_ARGS: dict[str, dict] = {
     **SWEPT,
     "sar": {**SWEPT["sar"], "reset_constant": RESET_CONSTANT},
     "pcsr": {"reset_constant": RESET_CONSTANT},
+    "eta": {"d_margin": D_MARGIN},
+    "eata": {"d_margin": D_MARGIN},
+    "spa": {"noise_patch": SPA_NOISE_PATCH},
 }
-METHODS = ("source", "tent", "sar", "pcsr", "pcsr-frozen")
+METHODS = ("source", "tent", "sar", "pcsr", "pcsr-frozen")  # the default run: under 5 minutes on 2 cores
+
+
+def all_methods() -> tuple[str, ...]:
+  """Every registered method (``--methods all``, ``--preset table1``, ``--full``): the default five first."""
+  from pcsr_jax import methods
+
+  return METHODS + tuple(m for m in methods.REGISTRY if m not in METHODS)
 
 
 def run_config(output: str, images: int = DEFAULT_IMAGES, seeds=DEFAULT_SEEDS, methods=METHODS,

@@ -17,7 +17,7 @@ def parser(prog: str, description: str, presets: dict) -> ArgumentParser:
   p.add_argument("--data", help="dataset root (ImageNet-C: <root>/<corruption>/<severity>/<wnid>/*.JPEG), or 'tfds'")
   p.add_argument("--checkpoint", help="a converted checkpoint dir (convert_weights.py)")
   p.add_argument("--dataset", help="imagenet_c (default), imagenet_r, imagenet_a, visda, folder")
-  p.add_argument("--methods", help="comma-separated: source,tent,sar,pcsr,pcsr-frozen")
+  p.add_argument("--methods", help="comma-separated registered methods (source,tent,sar,pcsr,...), or 'all'")
   p.add_argument("--corruptions", help="'all' (the 15), 'heldout' (the 4), or comma-separated names")
   p.add_argument("--severity", type=int)
   p.add_argument("--seeds", help="comma-separated, e.g. 2022,2023,2024")
@@ -63,7 +63,7 @@ def config_from_args(a, presets: dict, defaults: Optional[dict] = None):
                source_data=a.source_data, source_images=a.source_images, dtype=a.dtype, attention=a.attention)
   kw.update({k: v for k, v in flags.items() if v is not None})
   if a.methods:
-    kw["methods"] = parse_list(a.methods)
+    kw["methods"] = parse_methods(a.methods)
   if a.corruptions:
     kw["corruptions"] = parse_corruptions(a.corruptions)
   if a.seeds:
@@ -91,6 +91,13 @@ def merge_method_args(base: dict, extra: dict) -> dict:
 
 def parse_list(text: str) -> tuple[str, ...]:
   return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def parse_methods(text: str) -> tuple[str, ...]:
+  """``--methods``: comma-separated names, or ``all`` (every registered method)."""
+  from pcsr_jax import methods
+
+  return tuple(methods.REGISTRY) if text.strip() == "all" else parse_list(text)
 
 
 def parse_corruptions(text: str) -> tuple[str, ...]:
@@ -137,6 +144,9 @@ def eval_order_table(results: dict, methods) -> str:
     cells = []
     for o in orders:
       recs = results[o]["records"]
+      if not any(r["method"] == m for r in recs):
+        cells.append("n/a")  # the method has no such eval order
+        continue
       cells.append(fmt_mean_std([100 * v for v in mean_accuracy(recs, m, sorted({r["seed"] for r in recs}))]))
     lines.append(f"| {m} | " + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n"
