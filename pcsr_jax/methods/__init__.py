@@ -15,7 +15,9 @@ import typing
 
 from pcsr_jax.errors import UserError, check_fields
 from pcsr_jax.methods.base import AdaptState, Method, Prepared
+from pcsr_jax.methods.cmf import CMF
 from pcsr_jax.methods.pcsr import PCSR
+from pcsr_jax.methods.roid import ROID
 from pcsr_jax.methods.sar import SAR
 from pcsr_jax.methods.source import Source
 from pcsr_jax.methods.tent import Tent
@@ -26,6 +28,8 @@ REGISTRY: dict[str, tuple[type[Method], dict]] = {
     "sar": (SAR, {}),
     "pcsr": (PCSR, {}),  # the authors' recipe: SAR's base + PCSR's modules
     "pcsr-frozen": (PCSR, {"recipe": "frozen"}),  # the paper's text alone: backbone frozen, plain SGD
+    "roid": (ROID, {}),
+    "cmf": (CMF, {}),
 }
 
 
@@ -67,4 +71,4 @@ def coerce(cls: type, values: dict, name: str) -> dict:
   return out
 
 
-__all__ = ["AdaptState", "Method", "PCSR", "Prepared", "REGISTRY", "SAR", "Source", "Tent", "get"]
+__all__ = ["AdaptState", "CMF", "Method", "PCSR", "Prepared", "REGISTRY", "ROID", "SAR", "Source", "Tent", "get"]
