@@ -59,8 +59,8 @@ class CMF(ROIDBase):
     for field in ("alpha", "gamma"):
       if not 0 <= getattr(self, field) <= 1:
         raise UserError(f"cmf {field}: expected a number in [0, 1], got {getattr(self, field)}")
-    if not 0 <= self.q < 1:
-      raise UserError(f"cmf q: expected a number in [0, 1), got {self.q}")
+    if not self.q >= 0:
+      raise UserError(f"cmf q: expected a non-negative number, got {self.q}")
 
   def init_extra(self, prep, trainable, opt_state):
     base = super().init_extra(prep, trainable, opt_state)
