@@ -137,7 +137,7 @@ class Reference:
     ema_update_model(self.model, self.src_model, self.momentum_src)
 
   def step(self, x: torch.Tensor) -> torch.Tensor:
-    view = torch.as_tensor(np.asarray(next(self.views))) if self.views is not None else None
+    view = torch.as_tensor(np.array(next(self.views), np.float32)) if self.views is not None else None
     with torch.enable_grad():
       outputs, loss = self.loss_calculation(x, view)
       loss.backward()
