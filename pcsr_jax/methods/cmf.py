@@ -68,9 +68,11 @@ class CMF(ROIDBase):
                     var=jnp.zeros((), jnp.float32))
 
   def process_noise(self, trainable) -> float:
+    """DT's ``q = CMF.Q * num_trainable_params / 38400``."""
     return self.q * sum(x.size for x in jax.tree.leaves(trainable)) / PARAMS_REFERENCE
 
   def merge(self, extra, trainable):
+    """DT's ``bayesian_filtering`` (module doc), after the SGD step."""
     q = self.process_noise(trainable)
     hidden = ema(extra.hidden, extra.source, self.alpha)  # 1. predict
     var = self.alpha**2 * extra.var + q  # 2. update
