@@ -130,7 +130,8 @@ def ema(params: Params, other: Params, momentum: float | Array) -> Params:
 class ROIDBase(Method, abc.ABC):
   """ROID's loss, weights, consistency, optimizer and prior correction; `merge` is what follows the step."""
 
-  cost: ClassVar[str] = "2F+1B"  # official: the second forward covers only the kept (about half) samples
+  # The official second forward covers only the kept samples (about half); here the whole batch (fixed shapes).
+  cost: ClassVar[str] = "2F+1B"
   eval_orders: ClassVar[tuple[str, ...]] = ("before",)
 
   lr: float = 2.5e-4  # not scaled with the batch size (DT)
