@@ -16,10 +16,12 @@ import typing
 from pcsr_jax.errors import UserError, check_fields
 from pcsr_jax.methods.base import AdaptState, Method, Prepared
 from pcsr_jax.methods.cfa import CFA
+from pcsr_jax.methods.cmf import CMF
 from pcsr_jax.methods.deyo import DeYO
 from pcsr_jax.methods.eata import EATA
 from pcsr_jax.methods.foa import FOA
 from pcsr_jax.methods.pcsr import PCSR
+from pcsr_jax.methods.roid import ROID
 from pcsr_jax.methods.sar import SAR
 from pcsr_jax.methods.source import Source
 from pcsr_jax.methods.spa import SPA
@@ -39,6 +41,8 @@ REGISTRY: dict[str, tuple[type[Method], dict]] = {
     "cfa": (CFA, {}),
     "foa": (FOA, {}),
     "spa": (SPA, {}),
+    "roid": (ROID, {}),
+    "cmf": (CMF, {}),
 }
 
 
@@ -80,5 +84,5 @@ def coerce(cls: type, values: dict, name: str) -> dict:
   return out
 
 
-__all__ = ["AdaptState", "CFA", "DeYO", "EATA", "FOA", "Method", "PCSR", "Prepared", "REGISTRY", "SAR", "SPA",
-           "Source", "T3A", "Tent", "get"]
+__all__ = ["AdaptState", "CFA", "CMF", "DeYO", "EATA", "FOA", "Method", "PCSR", "Prepared", "REGISTRY", "ROID",
+           "SAR", "SPA", "Source", "T3A", "Tent", "get"]
