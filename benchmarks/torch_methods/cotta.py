@@ -113,7 +113,7 @@ class Reference:
       standard_ema = self.ema(x)
       to_aug = bool(anchor_prob.mean(0) < self.ap)
       self.augmented.append(to_aug)
-      self.anchor_conf.append(float(anchor_prob.mean(0)))
+      self.anchor_conf.append(float(anchor_prob.detach().mean(0)))
       if to_aug:
         outs = []
         for i in range(self.n_aug):
