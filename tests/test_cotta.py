@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import traverse_util
 
 import float_checks
 from pcsr_jax import engine, methods, weights
+from pcsr_jax.augment import cotta_augment, denormalize, normalize
 from pcsr_jax.errors import UserError
 from pcsr_jax.methods.base import merge
 from pcsr_jax.methods.cotta import CoTTA
@@ -159,6 +159,21 @@ def test_padded_rows_change_nothing():
     for a, b in zip(jax.tree.leaves((outs[0][1].trainable, outs[0][1].extra, outs[0][1].opt_state)),
                     jax.tree.leaves((outs[1][1].trainable, outs[1][1].extra, outs[1][1].opt_state))):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_views_are_augmented_pixels_renormalized_or_foas_normalized_tensor():
+  """By default a view is normalize(cotta_augment(denormalize(x))) with the method's mean/std; with
+  augment_normalized the pipeline runs on the normalized tensor itself (FOA/SPA's ViT runs)."""
+  x = batches(1, 4, seed=5)[0]
+  key = jax.random.key(9)
+  mean, std = (0.4, 0.5, 0.6), (0.2, 0.25, 0.3)
+  view = np.asarray(CoTTA(mean=mean, std=std).augment(key, x))
+  np.testing.assert_allclose(view, np.asarray(normalize(cotta_augment(key, denormalize(x, mean, std)), mean, std)),
+                             rtol=1e-6, atol=1e-6)
+  assert view.min() < 0  # normalized pixels
+  foa = np.asarray(CoTTA(augment_normalized=True).augment(key, x))
+  np.testing.assert_array_equal(foa, np.asarray(cotta_augment(key, x)))
+  assert foa.min() >= 0 and not np.allclose(foa, view)
 
 
 def test_engine_step_draws_views_and_masks_from_the_state_key():
