@@ -31,7 +31,9 @@ augreg ViT's), augments and normalizes again. ``augment_normalized=True`` instea
 the normalized tensor, as FOA/SPA's ViT runs do (their loader normalizes to [-1, 1] and the pipeline starts
 by clipping to [0, 1]), for reproducing their numbers.
 
-The 32 teacher forwards run under ``jax.lax.cond``, only on the batches that trigger them. The source
+The 32 teacher forwards run under ``jax.lax.cond``, only on the batches that trigger them (measured on CPU,
+ViT embed 96, depth 6, 64 px, batch 16: 0.20 s per untriggered step against 2.7 s for computing the views
+always and selecting with ``jnp.where``; a triggered step costs the same either way). The source
 parameters the anchor and the restore need are passed to the compiled step in ``Prepared.consts`` (an
 argument, not constants baked into the program). Padded rows take no part in the anchor's confidence or the
 loss. Randomness (views, restore masks) comes from the state's key, split each step.
