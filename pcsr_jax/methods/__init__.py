@@ -17,6 +17,7 @@ from pcsr_jax.errors import UserError, check_fields
 from pcsr_jax.methods.base import AdaptState, Method, Prepared
 from pcsr_jax.methods.cfa import CFA
 from pcsr_jax.methods.cmf import CMF
+from pcsr_jax.methods.cotta import CoTTA
 from pcsr_jax.methods.deyo import DeYO
 from pcsr_jax.methods.eata import EATA
 from pcsr_jax.methods.foa import FOA
@@ -32,6 +33,7 @@ REGISTRY: dict[str, tuple[type[Method], dict]] = {
     "source": (Source, {}),
     "tent": (Tent, {}),
     "sar": (SAR, {}),
+    "cotta": (CoTTA, {}),
     "pcsr": (PCSR, {}),  # the authors' recipe: SAR's base + PCSR's modules
     "pcsr-frozen": (PCSR, {"recipe": "frozen"}),  # the paper's text alone: backbone frozen, plain SGD
     "t3a": (T3A, {}),
@@ -84,5 +86,5 @@ def coerce(cls: type, values: dict, name: str) -> dict:
   return out
 
 
-__all__ = ["AdaptState", "CFA", "CMF", "DeYO", "EATA", "FOA", "Method", "PCSR", "Prepared", "REGISTRY", "ROID",
-           "SAR", "SPA", "Source", "T3A", "Tent", "get"]
+__all__ = ["AdaptState", "CFA", "CMF", "CoTTA", "DeYO", "EATA", "FOA", "Method", "PCSR", "Prepared", "REGISTRY",
+           "ROID", "SAR", "SPA", "Source", "T3A", "Tent", "get"]
