@@ -65,8 +65,8 @@ class Adapter:
     self.prep = method.prepare(model, params, init_rng, batch_size)
     if method.uses_source_data() and method.source_data == "required" and source_stats is None:
       raise UserError(f"{method.name}: needs statistics of clean source data (--source-data)")
-    if source_stats is not None:
-      self.prep = dataclasses.replace(self.prep, consts=source_stats)
+    if source_stats is not None:  # beside what `prepare` put there (CoTTA's source params)
+      self.prep = dataclasses.replace(self.prep, consts={**(self.prep.consts or {}), **source_stats})
     frozen, trainable = split(self.prep.params, self.prep.is_trainable)
     opt_state = self.prep.tx.init(trainable)
     state = AdaptState(trainable=trainable, opt_state=opt_state, step=jnp.zeros((), jnp.int32), rng=state_rng,
