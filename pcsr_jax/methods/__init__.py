@@ -15,6 +15,7 @@ import typing
 
 from pcsr_jax.errors import UserError, check_fields
 from pcsr_jax.methods.base import AdaptState, Method, Prepared
+from pcsr_jax.methods.memo import MEMO
 from pcsr_jax.methods.pcsr import PCSR
 from pcsr_jax.methods.sar import SAR
 from pcsr_jax.methods.source import Source
@@ -24,6 +25,7 @@ REGISTRY: dict[str, tuple[type[Method], dict]] = {
     "source": (Source, {}),
     "tent": (Tent, {}),
     "sar": (SAR, {}),
+    "memo": (MEMO, {}),
     "pcsr": (PCSR, {}),  # the authors' recipe: SAR's base + PCSR's modules
     "pcsr-frozen": (PCSR, {"recipe": "frozen"}),  # the paper's text alone: backbone frozen, plain SGD
 }
@@ -67,4 +69,4 @@ def coerce(cls: type, values: dict, name: str) -> dict:
   return out
 
 
-__all__ = ["AdaptState", "Method", "PCSR", "Prepared", "REGISTRY", "SAR", "Source", "Tent", "get"]
+__all__ = ["AdaptState", "MEMO", "Method", "PCSR", "Prepared", "REGISTRY", "SAR", "Source", "Tent", "get"]
