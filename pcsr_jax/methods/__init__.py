@@ -15,6 +15,7 @@ import typing
 
 from pcsr_jax.errors import UserError, check_fields
 from pcsr_jax.methods.base import AdaptState, Method, Prepared
+from pcsr_jax.methods.adacontrast import AdaContrast
 from pcsr_jax.methods.memo import MEMO
 from pcsr_jax.methods.pcsr import PCSR
 from pcsr_jax.methods.sar import SAR
@@ -26,6 +27,7 @@ REGISTRY: dict[str, tuple[type[Method], dict]] = {
     "tent": (Tent, {}),
     "sar": (SAR, {}),
     "memo": (MEMO, {}),
+    "adacontrast": (AdaContrast, {}),
     "pcsr": (PCSR, {}),  # the authors' recipe: SAR's base + PCSR's modules
     "pcsr-frozen": (PCSR, {"recipe": "frozen"}),  # the paper's text alone: backbone frozen, plain SGD
 }
@@ -69,4 +71,4 @@ def coerce(cls: type, values: dict, name: str) -> dict:
   return out
 
 
-__all__ = ["AdaptState", "MEMO", "Method", "PCSR", "Prepared", "REGISTRY", "SAR", "Source", "Tent", "get"]
+__all__ = ["AdaContrast", "AdaptState", "MEMO", "Method", "PCSR", "Prepared", "REGISTRY", "SAR", "Source", "Tent", "get"]
