@@ -44,8 +44,8 @@ class Reference:
     dim, classes = model.head.in_features, model.head.out_features
     if queue is None:
       queue, queue_labels = torch.randn(dim, queue_size).numpy().T, torch.randint(0, classes, (queue_size,)).numpy()
-    self.mem_feat = F.normalize(torch.from_numpy(np.asarray(queue, np.float32)).T, dim=0)  # [D, K]
-    self.mem_labels = torch.from_numpy(np.asarray(queue_labels)).long()
+    self.mem_feat = F.normalize(torch.from_numpy(np.array(queue, np.float32)).T, dim=0)  # [D, K]
+    self.mem_labels = torch.from_numpy(np.array(queue_labels)).long()
     self.queue_ptr = 0
     self.banks = {"features": torch.tensor([]), "probs": torch.tensor([]), "ptr": 0}
     self.first_x_samples = 0
