@@ -11,10 +11,9 @@ import pytest
 import float_checks
 from pcsr_jax import engine, methods, weights
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import split
 from pcsr_jax.methods.memo import marginal_entropy
 from pcsr_jax.models import ViTConfig, create
-from tiny import TINY, tiny_model
+from tiny import tiny_model
 
 SMALL = ViTConfig(embed_dim=24, depth=2, num_heads=2, patch_size=8, img_size=32, num_classes=10, mlp_ratio=2.0)
 
@@ -51,8 +50,8 @@ def _adapt(method, ad, state, images, valid, views):
 
 
 def test_vmapped_images_equal_a_per_image_loop_and_each_image_starts_from_the_source():
-  """chunk 2 over 3 images (a remainder chunk) equals adapting each image alone with the plain step: SGD-free
-  AdamW from the source params and a fresh state, written out here with optax directly."""
+  """chunk 2 over 3 images (a remainder chunk) equals adapting each image alone:
+  one AdamW step from the source params and a fresh optimizer state, written out here with optax."""
   method, ad = _setup()
   rng = np.random.default_rng(0)
   images = rng.standard_normal((3, 32, 32, 3)).astype(np.float32)
