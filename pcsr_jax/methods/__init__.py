@@ -15,12 +15,14 @@ import typing
 
 from pcsr_jax.errors import UserError, check_fields
 from pcsr_jax.methods.base import AdaptState, Method, Prepared
+from pcsr_jax.methods.adacontrast import AdaContrast
 from pcsr_jax.methods.cfa import CFA
 from pcsr_jax.methods.cmf import CMF
 from pcsr_jax.methods.cotta import CoTTA
 from pcsr_jax.methods.deyo import DeYO
 from pcsr_jax.methods.eata import EATA
 from pcsr_jax.methods.foa import FOA
+from pcsr_jax.methods.memo import MEMO
 from pcsr_jax.methods.pcsr import PCSR
 from pcsr_jax.methods.roid import ROID
 from pcsr_jax.methods.sar import SAR
@@ -34,6 +36,8 @@ REGISTRY: dict[str, tuple[type[Method], dict]] = {
     "tent": (Tent, {}),
     "sar": (SAR, {}),
     "cotta": (CoTTA, {}),
+    "memo": (MEMO, {}),
+    "adacontrast": (AdaContrast, {}),
     "pcsr": (PCSR, {}),  # the authors' recipe: SAR's base + PCSR's modules
     "pcsr-frozen": (PCSR, {"recipe": "frozen"}),  # the paper's text alone: backbone frozen, plain SGD
     "t3a": (T3A, {}),
@@ -86,5 +90,5 @@ def coerce(cls: type, values: dict, name: str) -> dict:
   return out
 
 
-__all__ = ["AdaptState", "CFA", "CMF", "CoTTA", "DeYO", "EATA", "FOA", "Method", "PCSR", "Prepared", "REGISTRY",
-           "ROID", "SAR", "SPA", "Source", "T3A", "Tent", "get"]
+__all__ = ["AdaContrast", "AdaptState", "CFA", "CMF", "CoTTA", "DeYO", "EATA", "FOA", "MEMO", "Method", "PCSR",
+           "Prepared", "REGISTRY", "ROID", "SAR", "SPA", "Source", "T3A", "Tent", "get"]
