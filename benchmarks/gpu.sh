@@ -30,10 +30,6 @@ try:
 except Exception as e:
   print("  jax devices: failed:", e)
 PY
-# XLA's CUDA command buffers (graph capture) break when a step is captured while another thread compiles or runs
-# on the same device ("capturing stream has unjoined work", seen on an H100 with jax 0.11.2): the report
-# compiles ahead in threads, so they are turned off. They change no result, only launch overhead.
-export XLA_FLAGS="--xla_gpu_enable_command_buffer= ${XLA_FLAGS:-}"
 # A carried .whl/ (e.g. pycma for FOA's PyTorch reference, pure Python) is installed aside, never from the network.
 if ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/pcsr_site .whl/*.whl && \

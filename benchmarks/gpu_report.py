@@ -157,6 +157,11 @@ def worker_jax(a) -> None:
   for f in futures.values():
     f.exception()
   futures.update({j: pool.submit(build_guarded, j) for j in jobs[2:]})
+  # Every compile finishes before any timing: on an H100 (jax 0.11.2) a step captured into a CUDA graph while
+  # other threads compiled and autotuned failed ("capturing stream has unjoined work") and left the process's
+  # CUDA context broken for every later step; it also makes timings share the GPU with autotuning.
+  for f in list(futures.values()):
+    f.exception()
   for job in jobs:
     emit("START", job)
     try:
@@ -175,7 +180,7 @@ def worker_jax(a) -> None:
       if "attention_error" in b:
         r["attention_error"] = b["attention_error"]
       emit("RESULT", r)
-      del b, ad, compiled, placed, box
+      b = ad = compiled = placed = box = None  # free the device buffers before the next job
     except Exception as e:  # noqa: BLE001
       emit("RESULT", dict(job=job, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"))
   pool.shutdown(wait=False, cancel_futures=True)

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import traverse_util
 
 import float_checks
 from pcsr_jax import engine, methods, weights

@@ -4,7 +4,6 @@ and the predictions of the PyTorch reference written as the official code (growi
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

@@ -85,7 +85,7 @@ class Reference:
     best_loss, best_outputs, losses, means = np.inf, None, [], []
     self.candidates = np.stack([np.asarray(p, np.float64) for p in prompts])
     for j, p in enumerate(prompts):
-      cand = torch.tensor(np.asarray(p), dtype=torch.float).reshape(1, self.num_prompts, d)
+      cand = torch.tensor(np.asarray(p), dtype=torch.float, device=x.device).reshape(1, self.num_prompts, d)
       outputs, loss, batch_mean = self._forward_and_get_loss(x, cand, shift_vector)
       means.append(batch_mean[-d:].unsqueeze(0))
       if best_loss > loss.item():

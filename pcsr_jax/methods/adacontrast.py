@@ -104,11 +104,9 @@ def l2_normalize(x: Array) -> Array:
 
 
 def features_and_logits(model, params: Any, images: Array) -> tuple[Array, Array]:
-  """The pre-logit feature (final LayerNorm's class token, what the head reads) and the logits, from one
-  forward: the top-level ``norm``'s output is captured (the feature is then exactly the head's input)."""
-  logits, st = model.apply({"params": params}, images, mutable=["intermediates"],
-                           capture_intermediates=lambda m, method: m.scope.path == ("norm",) and method == "__call__")
-  return st["intermediates"]["norm"]["__call__"][0][:, 0], logits
+  """The pre-logit feature (final LayerNorm's class token, what the head reads) and the logits."""
+  z = model.apply({"params": params}, images, pre_logits=True)
+  return z, model.apply({"params": params}, z, method="classify")
 
 
 @dataclasses.dataclass(frozen=True)
