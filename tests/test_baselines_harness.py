@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -58,11 +59,14 @@ def test_every_baseline_in_every_setting(world, tmp_path, setting):
 
 
 def test_source_statistics_are_computed_once_and_reused(world, tmp_path):
+  ckpt = str(tmp_path / "ckpt")  # a copy of the checkpoint: its statistics cache starts empty
+  shutil.copytree(str(world / "ckpt"), ckpt)
   lines = []
-  harness.run(cfg(world, tmp_path / "a", methods=("eata", "cfa"), limit=8), log=lines.append)
+  harness.run(cfg(world, tmp_path / "a", methods=("eata", "cfa"), limit=8, checkpoint=ckpt), log=lines.append)
   assert sum("computing source statistics" in l for l in lines) == 2, lines
+  assert os.path.isdir(ckpt + ".source_stats")
   lines = []
-  harness.run(cfg(world, tmp_path / "b", methods=("eata", "cfa"), limit=8), log=lines.append)
+  harness.run(cfg(world, tmp_path / "b", methods=("eata", "cfa"), limit=8, checkpoint=ckpt), log=lines.append)
   assert sum("source statistics from" in l for l in lines) == 2 and not any("computing" in l for l in lines)
 
 
