@@ -20,7 +20,7 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def _have_torch() -> bool:
-  return all(importlib.util.find_spec(m) is not None for m in ("torch", "timm"))
+  return all(importlib.util.find_spec(m) is not None for m in ("torch", "timm", "cma"))
 
 
 def pytest_configure(config):

@@ -33,7 +33,7 @@ class Reference:
     if initial_prompts is None:  # VPT's Xavier-uniform init (models/vpt.py)
       val = math.sqrt(6.0 / float(3 * math.prod(model.patch_embed.patch_size) + d))
       initial_prompts = torch.empty(1, num_prompts, d).uniform_(-val, val)
-    self.prompts = torch.as_tensor(np.asarray(initial_prompts, np.float32)).reshape(1, num_prompts, d)
+    self.prompts = torch.as_tensor(np.array(initial_prompts, np.float32)).reshape(1, num_prompts, d)
     self.es = self._init_cma()
     self.best_prompts = self.prompts
     self.hist_stat = None
