@@ -44,6 +44,13 @@ def randomize_(model, seed: int = 0, scale: float = 0.05) -> None:
       p.copy_(1.0 + 0.1 * noise if is_ln_scale else scale * noise)
 
 
+def random_model(cfg: ViTConfig, seed: int = 0, scale: float = 0.15):
+  """``(timm model, its state dict as numpy)``: every parameter randomized (the agreement tests' models)."""
+  model = timm_model(cfg)
+  randomize_(model, seed=seed, scale=scale)
+  return model, {k: v.numpy() for k, v in model.state_dict().items()}
+
+
 def timm_logits(model, x_nhwc: np.ndarray) -> np.ndarray:
   """timm logits for NHWC float32 input."""
   import torch

@@ -106,9 +106,7 @@ def test_adacontrast_matches_the_dt_style_reference_on_fixed_views():
   from benchmarks.torch_reference import make_reference
   from pcsr_jax import timm_parity
 
-  model = timm_parity.timm_model(SMALL)
-  timm_parity.randomize_(model, seed=0, scale=0.15)
-  sd = {k: v.numpy() for k, v in model.state_dict().items()}
+  model, sd = timm_parity.random_model(SMALL)
   b, kq = 4, 10
   hp = dict(queue_size=kq, num_neighbors=1, warmup=8)
   method = methods.get("adacontrast", **hp)

@@ -8,7 +8,6 @@ one level (1/255) off on a few pixels.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +17,7 @@ import pytest
 from pcsr_jax import augment as A
 from pcsr_jax.augment import ops, pipelines, spa
 
-HAVE_TORCH = importlib.util.find_spec("torchvision") is not None
-torch_only = [pytest.mark.torch, pytest.mark.skipif(not HAVE_TORCH, reason="needs torchvision")]
+torch_only = [pytest.mark.torch]  # torchvision comes with the convert extra
 
 
 def _imgs(b=4, s=32, seed=0):
@@ -187,19 +185,12 @@ def _spa_mask_torch(keep, h, w):
   ph, pw = max(int(h * 0.2), 1), max(int(w * 0.2), 1)
   padh, padw = (h - ph) // 2, (w - pw) // 2
   low = torch.nn.functional.pad(torch.ones(1, 3, ph, pw), [h - padh - ph, padh, w - padw - pw, padw])
-  mask = low * keep + (1 - low)
-  sh, sw = 1 - h % 2, 1 - w % 2
-  sub = mask[:, :, sh:, sw:]
-  mh, mw = sub.shape[-2] // 2, sub.shape[-1] // 2
-  sub[:, :, -mh:, :] = 1
-  sub[:, :, mh, :mw] = 1
-  sub = sub * torch.flip(sub, dims=[-1, -2])
-  mask[:, :, sh:, sw:] = sub
-  return mask
+  from benchmarks.torch_methods.spa import symmetric_mask
+
+  return symmetric_mask(low * keep + (1 - low))
 
 
 @pytest.mark.torch
-@pytest.mark.skipif(not HAVE_TORCH, reason="needs torch")
 @pytest.mark.parametrize("size", [32, 35])
 def test_spa_amplitude_mask_matches_official_construction(size):
   import torch

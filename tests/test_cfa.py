@@ -155,9 +155,7 @@ def test_cfa_agrees_with_pytorch():
   from benchmarks.torch_reference import make_reference
   from pcsr_jax import timm_parity
 
-  model = timm_parity.timm_model(CFG)
-  timm_parity.randomize_(model, seed=0, scale=0.15)
-  sd = {k: v.numpy() for k, v in model.state_dict().items()}
+  model, sd = timm_parity.random_model(CFG)
   rng = np.random.default_rng(0)
   xs = [rng.standard_normal((B, 32, 32, 3)).astype(np.float32) for _ in range(STEPS)]
   source = labelled_source(sizes=(B, B, B, 6), seed=1, cfg=CFG)

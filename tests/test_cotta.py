@@ -213,9 +213,7 @@ def test_cotta_matches_the_official_style_reference():
   from pcsr_jax import timm_parity
   from test_torch_agreement import CFG
 
-  model = timm_parity.timm_model(CFG)
-  timm_parity.randomize_(model, seed=0, scale=0.15)
-  sd = {k: v.numpy() for k, v in model.state_dict().items()}
+  model, sd = timm_parity.random_model(CFG)
   sd["head.weight"] = HEAD_SCALE * sd["head.weight"]
   b, sizes, n_aug = 8, (8, 8, 8, 8, 8, 5), 4
   data = np.random.default_rng(1)

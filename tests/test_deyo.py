@@ -109,9 +109,7 @@ def test_deyo_matches_the_official_style_reference():
   from pcsr_jax import timm_parity
   from test_torch_agreement import CFG
 
-  model = timm_parity.timm_model(CFG)
-  timm_parity.randomize_(model, seed=0, scale=0.15)
-  sd = {k: v.numpy() for k, v in model.state_dict().items()}
+  model, sd = timm_parity.random_model(CFG)
   # A sharper head and a stronger position embedding: confident predictions that the patch shuffle changes.
   sd["head.weight"], sd["pos_embed"] = HEAD_SCALE * sd["head.weight"], POS_SCALE * sd["pos_embed"]
   b, steps = 8, 6

@@ -189,9 +189,7 @@ MARGIN, D0, STEPS = 0.87, 0.9, 8
 def torch_setup():
   from pcsr_jax import timm_parity
 
-  model = timm_parity.timm_model(CFG)
-  timm_parity.randomize_(model, seed=0, scale=0.15)
-  sd = {k: v.numpy() for k, v in model.state_dict().items()}
+  model, sd = timm_parity.random_model(CFG)
   rng = np.random.default_rng(0)
   xs = [rng.standard_normal((B, 32, 32, 3)).astype(np.float32) for _ in range(STEPS)]
   src = [rng.standard_normal((n, 32, 32, 3)).astype(np.float32) for n in (B, B, 5)]  # the last one partial

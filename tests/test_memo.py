@@ -119,9 +119,7 @@ def test_memo_matches_the_official_style_reference_on_fixed_views():
   from benchmarks.torch_reference import make_reference
   from pcsr_jax import timm_parity
 
-  model = timm_parity.timm_model(SMALL)
-  timm_parity.randomize_(model, seed=0, scale=0.15)
-  sd = {k: v.numpy() for k, v in model.state_dict().items()}
+  model, sd = timm_parity.random_model(SMALL)
   b, v = 3, 4
   method = methods.get("memo", views=v, chunk=2)
   ad = engine.Adapter(method, create(SMALL), weights.timm_to_flax(sd, SMALL), batch_size=b)

@@ -301,9 +301,7 @@ CASES = {
 def torch_setup():
   from pcsr_jax import timm_parity
 
-  model = timm_parity.timm_model(CFG)
-  timm_parity.randomize_(model, seed=0, scale=0.15)
-  sd = {k: v.numpy() for k, v in model.state_dict().items()}
+  model, sd = timm_parity.random_model(CFG)
   rng = np.random.default_rng(1)
   xs = [rng.standard_normal((B if i < STEPS - 1 else 5, 32, 32, 3)).astype(np.float32) for i in range(STEPS)]
   return sd, xs

@@ -201,9 +201,7 @@ def test_jax_and_pytorch_agree_with_the_same_views():
   from benchmarks.torch_methods.spa import Reference
   from pcsr_jax import timm_parity
 
-  model = timm_parity.timm_model(CFG)
-  timm_parity.randomize_(model, seed=0, scale=0.15)
-  sd = {k: v.numpy() for k, v in model.state_dict().items()}
+  model, sd = timm_parity.random_model(CFG)
   m = spa.SPA(noise_patch=8)
   ad = engine.Adapter(m, create(CFG), weights.timm_to_flax(sd, CFG), batch_size=B)
   step = jit_adapt(ad)

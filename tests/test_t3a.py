@@ -112,9 +112,7 @@ def test_t3a_predictions_match_the_official_style_reference():
   from pcsr_jax import timm_parity
   from test_torch_agreement import CFG
 
-  model = timm_parity.timm_model(CFG)
-  timm_parity.randomize_(model, seed=0, scale=0.15)
-  sd = {k: v.numpy() for k, v in model.state_dict().items()}
+  model, sd = timm_parity.random_model(CFG)
   k, b = 3, 8
   ad = engine.Adapter(methods.get("t3a", filter_k=k), create(CFG), weights.timm_to_flax(sd, CFG), batch_size=b)
   ref = make_reference("t3a", timm_parity.timm_model(CFG, sd), b, filter_k=k)

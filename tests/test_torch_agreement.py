@@ -40,9 +40,7 @@ CASES = {
 def setup():
   from pcsr_jax import timm_parity
 
-  model = timm_parity.timm_model(CFG)
-  timm_parity.randomize_(model, seed=0, scale=0.15)
-  sd = {k: v.numpy() for k, v in model.state_dict().items()}
+  model, sd = timm_parity.random_model(CFG)
   rng = np.random.default_rng(0)
   xs = [rng.standard_normal((B, 32, 32, 3)).astype(np.float32) for _ in range(max(c[2] for c in CASES.values()))]
   return sd, xs
