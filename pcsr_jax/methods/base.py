@@ -224,8 +224,8 @@ class Method(abc.ABC):
   # Clean source data (`pcsr_jax.source_stats`): "none"; "required" (CFA, FOA: no source-free form);
   # "optional" (EATA: without it, its documented source-free form ETA runs, and the records say so).
   source_data: ClassVar[str] = "none"
-  # How many source images the statistics use (None: all of them), whether they need the labels, and the
-  # statistics' name in the cache (methods sharing one kind of statistics share the cache entry).
+  # How many source images the statistics use (None: all of them, or --source-images) and whether they need
+  # the labels; `stats_key` names the statistics in the cache.
   source_images: ClassVar[Optional[int]] = None
   source_labels: ClassVar[bool] = False
 
