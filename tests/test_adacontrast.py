@@ -74,6 +74,7 @@ def test_class_aware_infonce_equals_numpy():
   np.testing.assert_allclose(got, -np.log(e[:, 0] / (e * want_mask).sum(1)), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_adacontrast_hyperparameters_and_engine_step():
   model, params = tiny_model()
   with pytest.raises(UserError, match="queue_size"):

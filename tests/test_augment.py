@@ -85,6 +85,7 @@ def test_affine_matches_torchvision(angle, t, scale):
   np.testing.assert_allclose(win, want[:, 10:30, 10:30], atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", [A.COTTA, A.ROID], ids=["cotta", "roid"])
 def test_tta_pipeline_matches_torchvision_composition(cfg):
   """tta_apply with one drawn set of parameters == the official Compose written with torchvision's
@@ -268,6 +269,7 @@ def test_weak_view_flips_per_sample():
   assert (flipped | kept).all() and 0 < flipped.sum() < 16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["cotta", "roid", "strong", "augmix", "amp", "noise"])
 def test_determinism_ranges_and_jit(name):
   x = _imgs()

@@ -93,6 +93,7 @@ def test_without_source_data_eata_runs_as_eta_and_says_so(world, tmp_path):
       harness.run(cfg(world, tmp_path / m, methods=(m,), source_data=None), log=lambda *a: None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(methods.REGISTRY))
 def test_state_resumes_bit_identically_from_the_host_copy(world, name):
   """What the harness checkpoints (the state on the host) continues exactly like the uninterrupted stream."""

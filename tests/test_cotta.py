@@ -74,6 +74,7 @@ def test_restore_masks_have_probability_rst_and_are_fresh_per_leaf_and_key():
   assert CoTTA(rst=1.0).restore_masks(jax.random.key(0), tree)["a"].all()
 
 
+@pytest.mark.slow
 def test_ema_teacher_and_exact_restore_given_a_mask():
   """From a state whose teacher and student differ: with no mask, teacher' = mt * teacher + (1 - mt) * student'
   (student' after the SGD step); with a mask, exactly the masked elements go back to source, nothing else
@@ -106,6 +107,7 @@ def test_ema_teacher_and_exact_restore_given_a_mask():
   assert int(metrics["restored"]) == sum(int(np.sum(m)) for m in jax.tree.leaves(masks))
 
 
+@pytest.mark.slow
 def test_augmentation_averages_exactly_when_the_anchor_is_unsure():
   """ap between the batches' anchor confidences: the batches below it report the mean of the teacher's logits
   on the views, the others the teacher's plain logits, and the metrics say which."""
@@ -135,6 +137,7 @@ def test_augmentation_averages_exactly_when_the_anchor_is_unsure():
   assert 0 < sum(flags) < len(flags)
 
 
+@pytest.mark.slow
 def test_padded_rows_change_nothing():
   """A batch of 5 padded to 8 with garbage rows (views and images) gives the valid rows' logits, the params,
   the teacher and the momentum of the unpadded batch: both with and without the augmentation."""
@@ -176,6 +179,7 @@ def test_views_are_augmented_pixels_renormalized_or_foas_normalized_tensor():
   assert foa.min() >= 0 and not np.allclose(foa, view)
 
 
+@pytest.mark.slow
 def test_engine_step_draws_views_and_masks_from_the_state_key():
   """Through the engine (views drawn by `cotta_augment`): the same seed gives bit-identical runs, another
   seed different ones, and the restore resets about rst of the elements."""

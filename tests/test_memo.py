@@ -49,6 +49,7 @@ def _adapt(method, ad, state, images, valid, views):
   return fn(state, jnp.asarray(images), jnp.asarray(valid), jnp.asarray(views))
 
 
+@pytest.mark.slow
 def test_vmapped_images_equal_a_per_image_loop_and_each_image_starts_from_the_source():
   """chunk 2 over 3 images (a remainder chunk) equals adapting each image alone:
   one AdamW step from the source params and a fresh optimizer state, written out here with optax."""
@@ -78,6 +79,7 @@ def test_vmapped_images_equal_a_per_image_loop_and_each_image_starts_from_the_so
   assert np.abs(np.asarray(logits) - np.asarray(model.apply({"params": params}, images))).max() > 1e-6
 
 
+@pytest.mark.slow
 def test_episodic_same_image_same_prediction_whatever_came_before():
   """Through the engine (views drawn from the state's key): an image's prediction depends on nothing that
   came before it. The state's params never move; only the key advances, so fixing the key fixes the views."""

@@ -143,6 +143,7 @@ def draw_views(key, x):
   return np.asarray(jax.jit(methods.get("roid").augment)(key, jnp.asarray(x)))
 
 
+@pytest.mark.slow
 def test_roid_ensembles_with_the_source():
   x = batches(1, B, seed=3)[0]
   views = draw_views(jax.random.key(1), x)
@@ -155,6 +156,7 @@ def test_roid_ensembles_with_the_source():
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), ens.trainable, want)
 
 
+@pytest.mark.slow
 def test_first_step_is_nesterov_sgd_on_the_undetached_loss():
   """First step (no ensembling): ``-lr (1 + m) grad`` of the loss written out here, with the original logits
   NOT detached in the symmetric CE (the official); detaching them gives a clearly different update."""
@@ -235,6 +237,7 @@ def test_cmf_filter_matches_numpy(q_eff, regime):
     assert betas[0] == 1.0 and 0.89 < betas[-1] < 0.9999, betas
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["roid", "cmf"])
 def test_ragged_batch_equals_the_unpadded_step(name):
   """The engine's padded ragged batch gives the same params, EMA and logits as the step on the 5 rows alone
