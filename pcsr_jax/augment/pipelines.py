@@ -91,7 +91,7 @@ def tta_apply(x: Array, d: dict[str, Array], cfg: TTAAugConfig) -> Array:
   x = jnp.clip(x, 0.0, 1.0)
   order = jnp.asarray(d["order"])
   x = jax.lax.fori_loop(0, 5, lambda i, y: jax.lax.switch(order[i], branches, y), x)
-  h, w = x.shape[-3], x.shape[-2]
+  h = x.shape[-3]  # square images (the ViT input): the centre crop below uses one offset for both axes
   p = h // 2  # transforms.Pad(int(n_pixels / 2))
   x = ops.pad(x, p, cfg.padding_mode)
   # Only the centre crop (plus the blur's reach) of the affine output is ever used: compute that window.
