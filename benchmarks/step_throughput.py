@@ -79,16 +79,9 @@ def jax_inputs(arch: str, batch_size: int, checkpoint: str | None = None):
   return model, params, x
 
 
-def time_jax(method_name: str, model, params, x, *, steps: int, warmup: int, dtype: str = "float32",
-             attention: str = "matmul", fp32_matmul: str = "tf32") -> dict:
-  """Images/s of the engine's step on one batch kept on the device (as the PyTorch side keeps its own).
-
-  A float32 run computes its matmuls at ``fp32_matmul`` precision ("tf32": TensorFloat-32 on Ampere+ GPUs,
-  "highest": true float32; CPUs ignore it); a bf16 run at the backbone's own bf16.
-  """
-  import contextlib
-  import warnings
-
+def jax_step(method_name: str, model, params, x, *, dtype: str = "float32", attention: str = "matmul"):
+  """``(step, sync, adapter, placed, box)``: one engine step of ``method_name`` on the batch ``x`` kept on the
+  device; ``step()`` advances ``box['state']`` and sets ``box['logits']``, ``sync()`` waits for them."""
   import jax
   import numpy as np
 
@@ -112,11 +105,28 @@ def time_jax(method_name: str, model, params, x, *, steps: int, warmup: int, dty
   def step():
     box["state"], box["logits"], _ = ad.step_placed(box["state"], placed)
 
+  return step, lambda: box["logits"].block_until_ready(), ad, placed, box
+
+
+def time_jax(method_name: str, model, params, x, *, steps: int, warmup: int, dtype: str = "float32",
+             attention: str = "matmul", fp32_matmul: str = "tf32") -> dict:
+  """Images/s of the engine's step on one batch kept on the device (as the PyTorch side keeps its own).
+
+  A float32 run computes its matmuls at ``fp32_matmul`` precision ("tf32": TensorFloat-32 on Ampere+ GPUs,
+  "highest": true float32; CPUs ignore it); a bf16 run at the backbone's own bf16.
+  """
+  import contextlib
+  import warnings
+
+  import jax
+
+  b = x.shape[0]
   precision = (jax.default_matmul_precision("tensorfloat32" if fp32_matmul == "tf32" else "highest")
                if dtype == "float32" else contextlib.nullcontext())
   with precision, warnings.catch_warnings(record=True) as caught:  # the fused attention's fallback warns
     warnings.simplefilter("always")
-    first_s, dt = _time(step, lambda: box["logits"].block_until_ready(), steps, warmup)
+    step, sync, _, _, _ = jax_step(method_name, model, params, x, dtype=dtype, attention=attention)
+    first_s, dt = _time(step, sync, steps, warmup)
   fell_back = any("using 'matmul'" in str(w.message) for w in caught)
   dev = jax.devices()[0]
   mem = dev.memory_stats() if dev.platform == "gpu" else None
@@ -143,9 +153,9 @@ def torch_inputs(arch: str, batch_size: int, state_dict=None):
   return model, x
 
 
-def time_torch(method_name: str, model, x, *, steps: int, warmup: int, dtype: str = "float32") -> dict:
-  """Images/s of the PyTorch reference's step (eager; ``dtype='bfloat16'``: the whole step under autocast).
-  ``model`` is adapted in place: pass a fresh copy per call."""
+def torch_step(method_name: str, model, x, *, dtype: str = "float32"):
+  """``(step, sync)``: one step of the PyTorch reference of ``method_name`` on ``x`` (eager; ``dtype='bfloat16'``:
+  the whole step under autocast). ``model`` is adapted in place: pass a fresh copy per call."""
   import contextlib
 
   import torch
@@ -155,23 +165,31 @@ def time_torch(method_name: str, model, x, *, steps: int, warmup: int, dtype: st
 
   if dtype not in ("float32", "bfloat16"):
     raise UserError(f"--dtype: expected float32 or bfloat16, got '{dtype}'")
-  cuda = x.is_cuda
   # A method with source statistics computes them from ``source_batches`` (here random batches, as on the JAX
   # side; with the same labels when it needs them).
   method = methods.get(method_name)
   labels = torch.arange(x.shape[0], device=x.device) % model.head.out_features
   kw = {"source_batches": [(x, labels) if method.source_labels else x] * 2} if method.uses_source_data() else {}
   ref = make_reference(method_name, model, x.shape[0], **kw)
-  autocast = (torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16) if dtype == "bfloat16"
+  autocast = (torch.autocast("cuda" if x.is_cuda else "cpu", dtype=torch.bfloat16) if dtype == "bfloat16"
               else contextlib.nullcontext())
 
   def step():
     with autocast:
       ref.step(x)
 
+  return step, torch.cuda.synchronize if x.is_cuda else (lambda: None)
+
+
+def time_torch(method_name: str, model, x, *, steps: int, warmup: int, dtype: str = "float32") -> dict:
+  """Images/s of the PyTorch reference's step (`torch_step`)."""
+  import torch
+
+  cuda = x.is_cuda
+  step, sync = torch_step(method_name, model, x, dtype=dtype)
   if cuda:
     torch.cuda.reset_peak_memory_stats()
-  first_s, dt = _time(step, torch.cuda.synchronize if cuda else (lambda: None), steps, warmup)
+  first_s, dt = _time(step, sync, steps, warmup)
   peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else peak_rss_mb()
   b = x.shape[0]
   return dict(framework="torch", device=torch.cuda.get_device_name() if cuda else "cpu", images_per_s=b / dt,

@@ -133,6 +133,11 @@ class Adapter:
     """`step` on a batch already on the devices (`place`), e.g. one batch reused by a throughput benchmark."""
     return self._step(self.frozen, self.consts, state, *placed)
 
+  def lower(self, state: AdaptState, placed: tuple[jax.Array, jax.Array]) -> jax.stages.Lowered:
+    """The step lowered for these arguments: its program (``.as_text()``) and, compiled, XLA's cost analysis
+    (``.compile().cost_analysis()``), as `benchmarks/profile_step.py` reads them. Traces once more."""
+    return self._step.lower(self.frozen, self.consts, state, *placed)
+
   def state_to_host(self, state: AdaptState) -> Any:
     """A numpy pytree of ``state`` for checkpointing (the PRNG key as raw key data)."""
     return jax.tree.map(np.asarray, state.replace(rng=jax.random.key_data(state.rng)))

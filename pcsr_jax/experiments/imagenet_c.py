@@ -80,7 +80,8 @@ def builtin_run(a) -> int:
         batch_size=a.batch_size or builtin.BATCH_SIZE, fmnist_dir=a.fashion_mnist_dir, cache_dir=a.cache_dir,
         shuffle=not a.no_shuffle, save_predictions=a.save_predictions, resume=a.resume,
         checkpoint_every=a.checkpoint_every or 50, workers=a.workers, progress=not a.no_progress,
-        source_data=a.source_data, source_images=a.source_images)
+        source_data=a.source_data, source_images=a.source_images, dtype=a.dtype or "float32",
+        attention=a.attention or "matmul")
     if len(orders) > 1:
       print(f"--- eval order: {order} (every method predicts {order} its update) ---", flush=True)
     results[order] = harness.run(cfg)

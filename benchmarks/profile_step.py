@@ -1,0 +1,253 @@
+"""Where one adaptation step's time goes, JAX vs PyTorch, by kind of work; and how far each is from the peak.
+
+    python benchmarks/profile_step.py --method tent --arch vit_small_patch16_224 --batch-size 16
+
+Each framework runs in its own subprocess on the same architecture, method, batch size and random batch
+(`step_throughput.jax_step` / `torch_step`). After warm-up it profiles ``--steps`` steps: JAX with
+``jax.profiler`` (XLA's per-op events, each op of the compiled step classified by what its fused computation
+contains), PyTorch with ``torch.profiler`` (self time per ATen op). Both are split into the same kinds:
+
+  dense       the qkv / proj / fc1 / fc2 / head matmuls, forward and backward (XLA fusions with a plain dot)
+  attention   Q K^T, softmax and A V with their backward (what has a T x T shape; PyTorch's fused SDPA kernels)
+  layernorm   LayerNorm forward and backward (rsqrt; ``native_layer_norm*``)
+  gelu        the MLP's exact GELU and its backward (erf; ``gelu*``)
+  conv        the patch embedding
+  other       everything else: residual adds, layout copies, the loss, filters, the optimizer, host overhead
+
+It also prints the step's floating-point work (XLA's cost analysis of the compiled step: the same math runs
+on both sides, weight gradients of frozen params excluded) as achieved GFLOP/s per framework, against each
+framework's own float32 GEMM rate on this machine (a 2048^3 matmul), the practical peak of the step's
+dominant operation.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks import step_throughput as st  # noqa: E402
+from pcsr_jax.errors import ArgumentParser, UserError, run_cli  # noqa: E402
+
+KINDS = ("dense", "attention", "layernorm", "gelu", "conv", "other")
+
+
+def _computations(hlo: str) -> dict[str, str]:
+  """Body text of every computation in an HLO module, by name."""
+  out, name, lines = {}, None, []
+  for line in hlo.splitlines():
+    m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) ", line)
+    if m and line.rstrip().endswith("{") and not line.startswith(" "):
+      name, lines = m.group(1), []
+    elif line.startswith("}") and name is not None:
+      out[name] = "\n".join(lines)
+      name = None
+    elif name is not None:
+      lines.append(line)
+  return out
+
+
+def classify_hlo(hlo: str, tokens: int) -> dict[str, str]:
+  """Kind of every instruction of the entry computation, from what it (or the computation it calls) does."""
+  comps = _computations(hlo)
+  entry = re.search(r"^ENTRY %?([\w.\-]+)", hlo, re.M).group(1)
+
+  def body(text: str, depth: int = 0) -> str:
+    called = re.findall(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-]+)", text)
+    return text + "".join("\n" + body(comps.get(c, ""), depth + 1) for c in called if depth < 4)
+
+  tt = re.compile(rf"\b{tokens},{tokens}\]")
+  kinds = {}
+  for line in comps[entry].splitlines():
+    m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = ", line)
+    if not m:
+      continue
+    text = body(line)
+    if " convolution(" in text:
+      kind = "conv"
+    elif tt.search(text):
+      kind = "attention"
+    elif " dot(" in text:
+      kind = "dense"
+    elif " erf(" in text:
+      kind = "gelu"
+    elif " rsqrt(" in text:
+      kind = "layernorm"
+    else:
+      kind = "other"
+    kinds[m.group(1)] = kind
+  return kinds
+
+
+def torch_kind(op: str) -> str:
+  """Kind of a PyTorch (ATen) op by name."""
+  if "scaled_dot_product" in op or "softmax" in op or op in ("aten::bmm", "aten::baddbmm"):
+    return "attention"
+  if op in ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul") or "mkldnn_linear" in op:
+    return "dense"
+  if "layer_norm" in op:
+    return "layernorm"
+  if "gelu" in op:
+    return "gelu"
+  if "convolution" in op or op in ("aten::conv2d", "aten::_convolution"):
+    return "conv"
+  return "other"
+
+
+def gemm_gflops(framework: str, n: int = 2048, reps: int = 5) -> float:
+  """float32 GFLOP/s of an n^3 matmul in ``framework`` on this machine (best of ``reps``)."""
+  if framework == "jax":
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, a).block_until_ready()
+    run = lambda: f(a, a).block_until_ready()  # noqa: E731
+  else:
+    import torch
+
+    a = torch.ones((n, n))
+    run = lambda: a @ a  # noqa: E731
+    run()
+  best = float("inf")
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    run()
+    best = min(best, time.perf_counter() - t0)
+  return 2 * n**3 / best / 1e9
+
+
+def profile_jax(a) -> dict:
+  import jax
+
+  model, params, x = st.jax_inputs(a.arch, a.batch_size)
+  step, sync, ad, placed, box = st.jax_step(a.method, model, params, x)
+  step()
+  sync()
+  lowered = ad.lower(box["state"], placed)
+  compiled = lowered.compile()
+  flops = float(compiled.cost_analysis().get("flops", 0.0))
+  prompts = getattr(ad.method, "num_prompts", 0) or 0
+  kinds = classify_hlo(compiled.as_text(), model.config.num_patches + 1 + prompts)
+  for _ in range(a.warmup):
+    step()
+  sync()
+  with tempfile.TemporaryDirectory() as d:
+    t0 = time.perf_counter()
+    with jax.profiler.trace(d, create_perfetto_trace=True):
+      for _ in range(a.steps):
+        step()
+        sync()
+    wall = (time.perf_counter() - t0) / a.steps
+    trace = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)
+    with gzip.open(trace[0]) as f:
+      events = json.load(f)
+  events = events["traceEvents"] if isinstance(events, dict) else events
+  per_kind: dict = collections.Counter()
+  per_op: dict = collections.Counter()
+  for e in events:
+    op = (e.get("args") or {}).get("hlo_op")
+    if e.get("ph") == "X" and op in kinds:
+      per_kind[kinds[op]] += e["dur"] / 1e3 / a.steps  # us -> ms per step
+      per_op[op] += e["dur"] / 1e3 / a.steps
+  return dict(framework="jax", version=jax.__version__, step_ms=1e3 * wall, flops=flops, kinds=dict(per_kind),
+              top=[(op, kinds[op], ms) for op, ms in per_op.most_common(a.top)],
+              gemm_gflops=gemm_gflops("jax"))
+
+
+def profile_torch(a) -> dict:
+  import torch
+  from torch.profiler import ProfilerActivity, profile
+
+  model, x = st.torch_inputs(a.arch, a.batch_size)
+  step, sync = st.torch_step(a.method, model, x)
+  for _ in range(1 + a.warmup):
+    step()
+  sync()
+  t0 = time.perf_counter()
+  with profile(activities=[ProfilerActivity.CPU]) as prof:
+    for _ in range(a.steps):
+      step()
+      sync()
+  wall = (time.perf_counter() - t0) / a.steps
+  per_kind: dict = collections.Counter()
+  per_op: dict = collections.Counter()
+  for ev in prof.key_averages():
+    ms = ev.self_cpu_time_total / 1e3 / a.steps
+    per_kind[torch_kind(ev.key)] += ms
+    per_op[ev.key] += ms
+  return dict(framework="torch", version=torch.__version__, step_ms=1e3 * wall, kinds=dict(per_kind),
+              top=[(op, torch_kind(op), ms) for op, ms in per_op.most_common(a.top)],
+              gemm_gflops=gemm_gflops("torch"), threads=torch.get_num_threads())
+
+
+def parser() -> ArgumentParser:
+  p = ArgumentParser(prog="profile_step.py", description=__doc__.split("\n\n")[0])
+  p.add_argument("--arch", default="vit_small_patch16_224")
+  p.add_argument("--batch-size", type=int, default=16)
+  p.add_argument("--method", default="tent")
+  p.add_argument("--steps", type=int, default=3)
+  p.add_argument("--warmup", type=int, default=1)
+  p.add_argument("--top", type=int, default=8, help="also list the N most expensive ops of each framework")
+  p.add_argument("--frameworks", default="jax,torch")
+  p.add_argument("--json", help="also write the results to this JSON file")
+  p.add_argument("--worker", choices=["jax", "torch"], help="internal: profile one framework in this process")
+  return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  a = parser().parse_args(argv)
+  from pcsr_jax import methods
+  from pcsr_jax.models import get_config
+
+  get_config(a.arch)
+  methods.get(a.method)
+  if a.batch_size < 1 or a.steps < 1 or a.warmup < 0:
+    raise UserError("--batch-size and --steps must be positive, --warmup non-negative")
+  if a.worker:
+    print(json.dumps(profile_jax(a) if a.worker == "jax" else profile_torch(a)))
+    return 0
+  res = {}
+  for fw in [f.strip() for f in a.frameworks.split(",") if f.strip()]:
+    if fw not in ("jax", "torch"):
+      raise UserError(f"--frameworks: unknown framework '{fw}' (expected jax, torch)")
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", fw] + list(argv if argv is not None else sys.argv[1:])
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+      raise UserError(f"{fw} worker failed: {(r.stderr.strip().splitlines() or ['no output'])[-1]}")
+    res[fw] = json.loads(r.stdout.strip().splitlines()[-1])
+  flops = res.get("jax", {}).get("flops")
+  print(f"{a.method} step, {a.arch}, batch {a.batch_size}, float32, {a.steps} profiled steps"
+        + (f"; {flops / 1e9:.1f} GFLOP per step (XLA cost analysis)" if flops else ""))
+  print(f"  {'ms per step':14s}" + "".join(f"{fw:>12s}" for fw in res))
+  for k in KINDS:
+    print(f"  {k:14s}" + "".join(f"{r['kinds'].get(k, 0.0):12.1f}" for r in res.values()))
+  print(f"  {'ops, total':14s}" + "".join(f"{sum(r['kinds'].values()):12.1f}" for r in res.values()))
+  print(f"  {'wall':14s}" + "".join(f"{r['step_ms']:12.1f}" for r in res.values()))
+  if flops:
+    print(f"  {'GFLOP/s':14s}" + "".join(f"{flops / r['step_ms'] / 1e6:12.1f}" for r in res.values()))
+  print(f"  {'GEMM GFLOP/s':14s}" + "".join(f"{r['gemm_gflops']:12.1f}" for r in res.values()))
+  if "jax" in res and "torch" in res:
+    print(f"  ratio JAX / PyTorch (wall, images/s): {res['torch']['step_ms'] / res['jax']['step_ms']:.2f}x")
+  for fw, r in res.items():
+    print(f"  {fw} top ops (ms per step): " + "; ".join(f"{op} [{k}] {ms:.1f}" for op, k, ms in r["top"]))
+  if a.json:
+    with open(a.json, "w") as f:
+      json.dump(dict(args=vars(a), results=res), f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  run_cli(main, sys.argv[1:])
