@@ -22,6 +22,7 @@ On CPU, jax 0.10 runs cross-process collectives with gloo by default once the di
 from __future__ import annotations
 
 import contextlib
+import itertools
 from typing import Iterator, Optional
 
 import jax
@@ -68,12 +69,16 @@ def is_multiprocess() -> bool:
 class Exchange:
   """All-gathers of short strings between the processes, through the coordination service's key-value store.
 
-  Every process must call `allgather` the same number of times, in the same order (the harness calls it at the
-  same points of the same stream everywhere); the call count names the keys. One process alone is a no-op.
+  Every process must create its exchanges and call `allgather` the same number of times, in the same order (the
+  harness does so at the same points of the same stream everywhere); those counts name the keys, so several
+  runs in one process (``--eval-order both``, a table script's runs) never read each other's values. One
+  process alone is a no-op.
   """
 
-  def __init__(self, name: str = "pcsr_jax"):
-    self.name, self.calls = name, 0
+  _created = itertools.count()
+
+  def __init__(self):
+    self.name, self.calls = f"pcsr_jax/{next(Exchange._created)}", 0
 
   def allgather(self, value: str) -> list[str]:
     """``value`` of every process, in process order."""

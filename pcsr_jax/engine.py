@@ -18,8 +18,8 @@
 * The batch is sharded over a 1-D ``'data'`` mesh of all devices, params and
   state are replicated; the global batch is padded to a multiple of the device
   count. The batch is placed with ``jax.make_array_from_process_local_data``,
-  so under ``jax.distributed.initialize`` each process passes its own slice
-  and the step is unchanged.
+  so under ``jax.distributed.initialize`` each process passes its own rows
+  (`local_rows`, `place_local`) and the step is unchanged.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from pcsr_jax import checkpoint, distributed, engine, methods, results, source_stats
 from pcsr_jax.progress import Resume, RunProgress, UnitProgress
 from pcsr_jax.data import datasets, imagenet, sources, streams
-from pcsr_jax.data.loader import Loader, decode_throughput
+from pcsr_jax.data.loader import Batch, Loader, decode_throughput
 from pcsr_jax.errors import UserError
 from pcsr_jax.models.vit import ATTENTION_IMPLS, compute_dtype
 
@@ -202,8 +202,8 @@ class _Setup:
   progress: RunProgress
   config_json: dict
   decode_ips: float
+  exchange: distributed.Exchange  # the processes' per-batch agreement (`pcsr_jax.distributed`)
   meta: dict = dataclasses.field(default_factory=dict)
-  exchange: distributed.Exchange = dataclasses.field(default_factory=distributed.Exchange)
   source: Optional[source_stats.SourceData] = None  # opened on first use
   stats: dict = dataclasses.field(default_factory=dict)  # method stats key -> (arrays, description)
 
@@ -277,7 +277,7 @@ def _setup(cfg: RunConfig, log) -> _Setup:
         (f", {u.key} at segment {u.segment} batch {u.batch}" if u else ""))
   loader = Loader(srcs, preprocess, cfg.batch_size, workers=cfg.workers)
   return _Setup(cfg, spec, model, params, num_classes, names, srcs, relabel, loader, resume, progress,
-                config_json, decode_ips, meta, exchange)
+                config_json, decode_ips, exchange, meta)
 
 
 def _check_same_progress(exchange: distributed.Exchange, progress: Optional[RunProgress], path: str) -> None:
@@ -530,8 +530,6 @@ def _distributed_batches(setup: _Setup, adapter: engine.Adapter, seg, start_batc
   another process's share (after an unreadable one) is decoded here again; without unreadable images nothing
   moves. All processes stop after the same batch: the first whose exchange carries a stop request.
   """
-  from pcsr_jax.data.loader import Batch
-
   loader, bs = setup.loader, setup.cfg.batch_size
   lo, hi = adapter.local_rows()
   blank = None  # (shape, dtype) of an image, for padding rows
