@@ -18,8 +18,8 @@
 * The batch is sharded over a 1-D ``'data'`` mesh of all devices, params and
   state are replicated; the global batch is padded to a multiple of the device
   count. The batch is placed with ``jax.make_array_from_process_local_data``,
-  so under ``jax.distributed.initialize`` each process passes its own slice
-  and the step is unchanged.
+  so under ``jax.distributed.initialize`` each process passes its own rows
+  (`local_rows`, `place_local`) and the step is unchanged.
 """
 
 from __future__ import annotations
@@ -73,9 +73,9 @@ class Adapter:
                        resets=jnp.zeros((), jnp.int32), extra=method.init_extra(self.prep, trainable, opt_state))
     self._replicated = NamedSharding(self.mesh, P())
     self._batch_sharding = NamedSharding(self.mesh, P("data"))
-    self.frozen = jax.device_put(frozen, self._replicated)
-    self.consts = jax.device_put(self.prep.consts, self._replicated)
-    self._initial = jax.device_put(state, self._replicated)
+    self.frozen = self._replicate(frozen)
+    self.consts = self._replicate(self.prep.consts)
+    self._initial = self._replicate(state)
     self.num_traces = 0  # how many times the step was traced (= compiled): one per stream
     self._step = jax.jit(self._step_impl, donate_argnums=(2,),
                          in_shardings=(self._replicated, self._replicated, self._replicated,
@@ -106,6 +106,18 @@ class Adapter:
     metrics["finite"] = finite
     return state, logits, metrics
 
+  def _replicate(self, tree: Any) -> Any:
+    """A pytree (the same on every process) put on every device of the mesh. Under `jax.distributed` the mesh
+    has devices of other processes, which `device_put` accepts only from host data: leaves go through numpy."""
+    if self._replicated.is_fully_addressable:
+      return jax.device_put(tree, self._replicated)
+
+    def put(x):
+      if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(put(jax.random.key_data(x)), impl=jax.random.key_impl(x))
+      return jax.device_put(np.asarray(x), self._replicated)
+    return jax.tree.map(put, tree)
+
   def pad(self, images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Pads a batch of up to ``batch_size`` images to the compiled size; returns (images, valid)."""
     n = images.shape[0]
@@ -120,8 +132,22 @@ class Adapter:
   def place(self, images) -> tuple[jax.Array, jax.Array]:
     """A batch (NHWC, normalized) padded and put on the mesh: ``(images, valid)`` for `step_placed`."""
     images, valid = self.pad(np.asarray(images, np.float32))
-    images = jax.make_array_from_process_local_data(self._batch_sharding, images)
-    valid = jax.make_array_from_process_local_data(self._batch_sharding, valid)
+    return self.place_local(images, valid)
+
+  def local_rows(self) -> tuple[int, int]:
+    """``(lo, hi)``: the rows of the padded global batch that this process's devices hold (all of them in a
+    one-process run). Under `jax.distributed` each process decodes and places only these."""
+    index = self._batch_sharding.addressable_devices_indices_map((self.padded_batch,))
+    spans = sorted((sl[0].indices(self.padded_batch)[:2] for sl in index.values()))
+    if any(a[1] != b[0] for a, b in zip(spans, spans[1:])):
+      raise ValueError(f"this process's devices hold non-adjacent rows {spans} of the batch")
+    return spans[0][0], spans[-1][1]
+
+  def place_local(self, images: np.ndarray, valid: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """This process's rows (`local_rows`) of a padded batch and their valid mask, put on the mesh."""
+    images = jax.make_array_from_process_local_data(self._batch_sharding, images,
+                                                    (self.padded_batch,) + images.shape[1:])
+    valid = jax.make_array_from_process_local_data(self._batch_sharding, valid, (self.padded_batch,))
     return images, valid
 
   def step(self, state: AdaptState, images) -> tuple[AdaptState, jax.Array, dict[str, jax.Array]]:
@@ -146,7 +172,7 @@ class Adapter:
     """Inverse of `state_to_host`, placed (replicated) on the mesh."""
     state = jax.tree.map(jnp.asarray, tree)
     state = state.replace(rng=jax.random.wrap_key_data(state.rng))
-    return jax.device_put(state, self._replicated)
+    return self._replicate(state)
 
   def params(self, state: AdaptState) -> Any:
     """The full params (backbone + adapted) of a state, e.g. to save or inspect."""

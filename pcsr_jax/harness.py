@@ -7,26 +7,34 @@ step it just dispatched). Long runs save the adaptation state, the stream
 position and the partial counts every ``checkpoint_every`` batches and on
 SIGINT/SIGTERM (orbax for the state, an atomically replaced JSON for the rest);
 ``resume=True`` continues from there and gives bit-identical results on CPU.
+
+Under `jax.distributed` (several processes, `pcsr_jax.distributed`) every process streams the same global
+batches: it decodes only its own rows of each, the processes agree per batch on the unreadable images and on a
+stop request, and process 0 alone logs and writes the outputs and the saved progress.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
 import os
 import signal
+import socket
 import sys
 import time
 from typing import Any, Optional
 
+import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
-from pcsr_jax import checkpoint, engine, methods, results, source_stats
+from pcsr_jax import checkpoint, distributed, engine, methods, results, source_stats
 from pcsr_jax.progress import Resume, RunProgress, UnitProgress
 from pcsr_jax.data import datasets, imagenet, sources, streams
-from pcsr_jax.data.loader import Loader, decode_throughput
+from pcsr_jax.data.loader import Batch, Loader, decode_throughput
 from pcsr_jax.errors import UserError
 from pcsr_jax.models.vit import ATTENTION_IMPLS, compute_dtype
 
@@ -140,7 +148,7 @@ def check_output_dir(path: str) -> None:
     raise UserError(f"--output {path}: exists and is not a directory")
   try:
     os.makedirs(path, exist_ok=True)
-    probe = os.path.join(path, f".write_test_{os.getpid()}")
+    probe = os.path.join(path, f".write_test_{socket.gethostname()}_{os.getpid()}")  # unique across hosts
     with open(probe, "w"):
       pass
     os.remove(probe)
@@ -194,13 +202,18 @@ class _Setup:
   progress: RunProgress
   config_json: dict
   decode_ips: float
+  exchange: distributed.Exchange  # the processes' per-batch agreement (`pcsr_jax.distributed`)
   meta: dict = dataclasses.field(default_factory=dict)
   source: Optional[source_stats.SourceData] = None  # opened on first use
   stats: dict = dataclasses.field(default_factory=dict)  # method stats key -> (arrays, description)
 
 
 def run(cfg: RunConfig, log=print) -> dict:
-  """Runs the experiment; returns ``{'records', 'curves', 'skipped', ...}`` and writes the outputs."""
+  """Runs the experiment; returns ``{'records', 'curves', 'skipped', ...}`` and writes the outputs.
+
+  Under `jax.distributed` every process calls this with the same config; only process 0 logs and writes."""
+  if not distributed.is_main():
+    log = lambda *a, **k: None
   setup = _setup(cfg, log)
   with _Stop() as stop:
     for seed in cfg.seeds:
@@ -216,7 +229,9 @@ def _setup(cfg: RunConfig, log) -> _Setup:
   spec = datasets.get(cfg.dataset)
   model, params, meta = checkpoint.load(cfg.checkpoint)
   model = model.clone(dtype=compute_dtype(cfg.dtype), attention=cfg.attention)
-  domains = spec.open(cfg, log)
+  exchange = distributed.Exchange()
+  with exchange.main_first():  # the built-in benchmark's cache is filled by one process
+    domains = spec.open(cfg, log)
   subset = spec.class_subset()
   for name, src in domains:
     sources.check_classes(src, meta["num_classes"], subset, spec.where(cfg, name))
@@ -240,6 +255,7 @@ def _setup(cfg: RunConfig, log) -> _Setup:
   key = _config_key(config_json)
   data_key = _data_key(srcs)
   progress = resume.load() if cfg.resume else None
+  _check_same_progress(exchange, progress, resume.path)
   if progress is not None and progress.config_key != key:
     raise UserError(f"{resume.path}: saved progress is from a different configuration; drop --resume or "
                     f"use another --output")
@@ -247,12 +263,13 @@ def _setup(cfg: RunConfig, log) -> _Setup:
     raise UserError(f"{resume.path}: the data changed since the progress was saved (images added, removed or "
                     f"relabelled); rerun without --resume to start over")
   if progress is None:
-    if os.path.isfile(resume.path):
-      log(f"discarding the saved progress in {resume.dir} (pass --resume to continue it)")
-    resume.clear()
-    for name in ("results.json", "results.csv", "table.md"):  # never leave a stale "complete" result behind
-      if os.path.exists(os.path.join(cfg.output, name)):
-        os.remove(os.path.join(cfg.output, name))
+    if distributed.is_main():  # the only process that writes in the output folder
+      if os.path.isfile(resume.path):
+        log(f"discarding the saved progress in {resume.dir} (pass --resume to continue it)")
+      resume.clear()
+      for name in ("results.json", "results.csv", "table.md"):  # never leave a stale "complete" result behind
+        if os.path.exists(os.path.join(cfg.output, name)):
+          os.remove(os.path.join(cfg.output, name))
     progress = RunProgress(config_key=key, data_key=data_key)
   elif progress.unit or progress.done:
     u = progress.unit
@@ -260,7 +277,18 @@ def _setup(cfg: RunConfig, log) -> _Setup:
         (f", {u.key} at segment {u.segment} batch {u.batch}" if u else ""))
   loader = Loader(srcs, preprocess, cfg.batch_size, workers=cfg.workers)
   return _Setup(cfg, spec, model, params, num_classes, names, srcs, relabel, loader, resume, progress,
-                config_json, decode_ips, meta)
+                config_json, decode_ips, exchange, meta)
+
+
+def _check_same_progress(exchange: distributed.Exchange, progress: Optional[RunProgress], path: str) -> None:
+  """Every process must resume from the same saved progress: the output folder has to be shared by all hosts."""
+  mine = "none" if progress is None else hashlib.sha256(
+      json.dumps(progress.to_json(), sort_keys=True).encode()).hexdigest()
+  seen = exchange.allgather(mine)
+  if len(set(seen)) > 1:
+    odd = next(p for p, h in enumerate(seen) if h != seen[0])
+    raise UserError(f"{path}: process {odd} sees other saved progress than process 0; --output must be a folder "
+                    f"shared by every process")
 
 
 def _run_seed(setup: _Setup, seed: int, stop: "_Stop", log) -> bool:
@@ -311,10 +339,13 @@ def _source_stats(setup: _Setup, method: methods.Method, log) -> tuple[methods.M
   key = method.stats_key()
   if key not in setup.stats:
     # The full head (not ImageNet-R's 200-class subset): statistics are of the checkpoint on its own classes.
-    setup.stats[key] = source_stats.get(method, setup.model.clone(class_subset=None), setup.params, setup.source,
-                                        checkpoint_dir=cfg.checkpoint, output_dir=cfg.output,
-                                        batch_size=cfg.batch_size, limit=cfg.source_images, workers=cfg.workers,
-                                        progress=cfg.progress, log=log)
+    # Process 0 computes and caches them first; the others then read its cache (or, on a folder not shared
+    # with it, compute the same numbers themselves).
+    with setup.exchange.main_first():
+      setup.stats[key] = source_stats.get(method, setup.model.clone(class_subset=None), setup.params,
+                                          setup.source, checkpoint_dir=cfg.checkpoint, output_dir=cfg.output,
+                                          batch_size=cfg.batch_size, limit=cfg.source_images, workers=cfg.workers,
+                                          progress=cfg.progress and distributed.is_main(), log=log)
   arrays, desc = setup.stats[key]
   return method, arrays, f"{desc['images']:,} images of {desc['source_data']}"
 
@@ -332,8 +363,14 @@ def _write_outputs(setup: _Setup, log) -> dict:
                     f"{len(missing)} of {len(cfg.seeds) * len(cfg.methods) * len(setup.names)} planned results "
                     f"missing): nothing written")
   tbl = results.table(records, setup.names, cfg.methods)
+  out = dict(records=records, curves=progress.curves, skipped=progress.skipped, table=tbl,
+             decode_images_per_s=setup.decode_ips, throughput=progress.throughput)
+  if not distributed.is_main():  # one set of outputs: process 0's
+    return out
   extra = dict(versions=versions(), skipped=progress.skipped, decode_images_per_s=setup.decode_ips,
                throughput=progress.throughput, curves=progress.curves)
+  if distributed.is_multiprocess():
+    extra["processes"] = jax.process_count()
   results.write_json(os.path.join(cfg.output, "results.json"), records, setup.config_json, extra)
   results.write_csv(os.path.join(cfg.output, "results.csv"), records)
   with open(os.path.join(cfg.output, "table.md"), "w") as f:
@@ -349,8 +386,7 @@ def _write_outputs(setup: _Setup, log) -> dict:
   if progress.skipped:
     log(f"skipped {len(progress.skipped)} unreadable images (listed in results.json)")
   log(f"wrote {cfg.output}/results.json, results.csv, table.md, {', '.join(os.path.basename(p) for p in plots)}")
-  return dict(records=records, curves=progress.curves, skipped=progress.skipped, table=tbl,
-              decode_images_per_s=setup.decode_ips, throughput=progress.throughput)
+  return out
 
 
 def _data_key(srcs: list) -> str:
@@ -375,8 +411,9 @@ class _Bar:
     from tqdm import tqdm
 
     self.key, self.log = key, log
-    self.tty = cfg.progress and sys.stderr.isatty()
-    self.lines = cfg.progress and not self.tty
+    show = cfg.progress and distributed.is_main()
+    self.tty = show and sys.stderr.isatty()
+    self.lines = show and not self.tty
     self.bar = tqdm(total=total, initial=initial, desc=key, disable=not self.tty, leave=False, file=sys.stderr)
 
   def update(self, unit: UnitProgress, seconds: float) -> None:
@@ -414,34 +451,36 @@ def _run_unit(setup: _Setup, key: str, method_name: str, seed: int, adapter: eng
                       f"(lower its learning rate in --method-args)")
     unit.account(preds, batch, setup.names, setup.relabel, setup.num_classes, curve)
 
+  predict = _predictor(adapter.mesh)
   for si in range(unit.segment, len(segments)):
     seg = segments[si]
     if (seg.reset and unit.batch == 0) or state is None:
       state = adapter.init_state()
     t_seg = time.perf_counter()
     pending = None
-    for batch in setup.loader.batches(seg.source_ids, seg.indices, start_batch=unit.batch):
+    for batch, placed, stop_now in _batches(setup, adapter, seg, unit.batch, stop):
       progress.skipped += [n for n in (f"{seg.name}/{n}" for n in batch.skipped) if n not in progress.skipped]
       unit.skipped += len(batch.skipped)
-      if len(batch.labels):
-        state, logits, metrics = adapter.step(state, batch.images)
-        preds = logits.argmax(-1)  # stays on device; read one step later
+      if placed is not None:
+        state, logits, metrics = adapter.step_placed(state, placed)
+        preds = predict(logits)  # stays on device; read one step later
         if pending is not None:
           score(*pending)
         pending = (preds, metrics["finite"], batch, seg.name, unit.batch)
       unit.batch += 1
       batches_since_save += 1
       bar.update(unit, unit.total_seconds + unit.seconds + time.perf_counter() - t_seg)
-      if stop.requested or batches_since_save >= cfg.checkpoint_every:
+      if stop_now or batches_since_save >= cfg.checkpoint_every:
         if pending is not None:
           score(*pending)
           pending = None
         unit.add_time(time.perf_counter() - t_seg)
         t_seg = time.perf_counter()
         progress.unit = unit
-        setup.resume.save(progress, adapter.state_to_host(state))
+        if distributed.is_main():
+          setup.resume.save(progress, adapter.state_to_host(state))
         batches_since_save = 0
-        if stop.requested:
+        if stop_now:
           bar.close()
           return False
     if pending is not None:
@@ -454,10 +493,78 @@ def _run_unit(setup: _Setup, key: str, method_name: str, seed: int, adapter: eng
   progress.throughput[key] = dict(images=unit.seen, seconds=unit.total_seconds, images_per_s=unit.images_per_s)
   progress.done.append(key)
   progress.unit = None
-  setup.resume.save(progress)
+  if distributed.is_main():
+    setup.resume.save(progress)
   log(f"{key}: accuracy {100 * unit.correct / max(unit.seen, 1):.2f}% over {unit.seen:,} images, "
       f"{unit.images_per_s:.1f} img/s end to end")
   return True
+
+
+@functools.lru_cache(maxsize=None)
+def _predictor(mesh) -> Any:
+  """logits -> the predicted classes of the whole batch on every device, so that every process can read them
+  (under `jax.distributed` the logits' rows are spread over the processes); dispatched without waiting."""
+  return jax.jit(lambda logits: logits.argmax(-1), out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
+def _batches(setup: _Setup, adapter: engine.Adapter, seg, start_batch: int, stop: "_Stop"):
+  """``(batch, placed, stop_now)`` per global batch of a segment from ``start_batch`` on.
+
+  ``batch`` has the labels, names and tags of the batch's readable images (the same on every process),
+  ``placed`` its images on the mesh (None when none was readable), ``stop_now`` whether to save and stop after
+  it. One process decodes the whole batch; under `jax.distributed` see `_distributed_batches`."""
+  if not distributed.is_multiprocess():
+    for b in setup.loader.batches(seg.source_ids, seg.indices, start_batch=start_batch):
+      yield b, (adapter.place(b.images) if len(b.labels) else None), stop.requested
+    return
+  yield from _distributed_batches(setup, adapter, seg, start_batch, stop)
+
+
+def _distributed_batches(setup: _Setup, adapter: engine.Adapter, seg, start_batch: int, stop: "_Stop"):
+  """`_batches` over several processes, giving exactly the one-process batches.
+
+  This process decodes the batch's items at its rows ``lo..hi`` (`Adapter.local_rows`). The processes then
+  exchange which of those were readable and whether a stop was requested: every process learns the batch's
+  readable items, compacts them as one process would (unreadable items dropped, the rest moved up, padding
+  at the end), and places the images of its rows of the compacted batch. An image that moved into its rows from
+  another process's share (after an unreadable one) is decoded here again; without unreadable images nothing
+  moves. All processes stop after the same batch: the first whose exchange carries a stop request.
+  """
+  loader, bs = setup.loader, setup.cfg.batch_size
+  lo, hi = adapter.local_rows()
+  blank = None  # (shape, dtype) of an image, for padding rows
+  for k, local in enumerate(loader.batches(seg.source_ids, seg.indices, start_batch=start_batch, rows=(lo, hi))):
+    s = (start_batch + k) * bs
+    ids, idx = seg.source_ids[s:s + bs], seg.indices[s:s + bs]
+    mine = np.zeros(hi - lo, bool)
+    mine[local.positions - lo] = True
+    shares = [json.loads(w) for w in setup.exchange.allgather(json.dumps(
+        ["".join("1" if m else "0" for m in mine), bool(stop.requested)]))]
+    readable = np.asarray([c == "1" for bits, _ in shares for c in bits], bool)[:len(idx)]
+    stop_now = any(flag for _, flag in shares)
+    ok = np.flatnonzero(readable)
+    srcs = [setup.srcs[int(i)] for i in ids]
+    batch = Batch(images=np.zeros((0,)), labels=np.asarray([srcs[j].labels[idx[j]] for j in ok], np.int32),
+                  names=[srcs[j].names[idx[j]] for j in ok], tags=np.asarray(ids[ok], np.int32),
+                  skipped=[srcs[j].names[idx[j]] for j in np.flatnonzero(~readable)], positions=ok)
+    if not len(ok):
+      yield batch, None, stop_now
+      continue
+    decoded = dict(zip(local.positions.tolist(), local.images))
+    rows = []
+    for j in ok[lo:hi].tolist():
+      x = decoded[j] if j in decoded else loader.decode(int(ids[j]), int(idx[j]))
+      if x is None:
+        raise UserError(f"{seg.name}/{srcs[j].names[idx[j]]}: read by one process, unreadable by another")
+      rows.append(x)
+    if blank is None:
+      x = rows[0] if rows else loader.decode(int(ids[ok[0]]), int(idx[ok[0]]))
+      blank = (x.shape, x.dtype)
+    images = np.zeros((hi - lo,) + blank[0], blank[1])
+    if rows:
+      images[:len(rows)] = np.stack(rows)
+    valid = np.arange(lo, hi) < len(ok)
+    yield batch, adapter.place_local(images, valid), stop_now
 
 
 def _record_segment(setup: _Setup, unit: UnitProgress, seg, method_name: str, seed: int, eval_order: str,
@@ -480,7 +587,7 @@ def _record_segment(setup: _Setup, unit: UnitProgress, seg, method_name: str, se
     if setup.spec.open_set:
       rec.update(accuracy_known=correct_known / max(known, 1), num_known=known)
     setup.progress.records.append(rec)
-    if cfg.save_predictions:
+    if cfg.save_predictions and distributed.is_main():
       fn, lab, pred = preds
       d = os.path.join(cfg.output, "predictions")
       os.makedirs(d, exist_ok=True)

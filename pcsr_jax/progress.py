@@ -120,6 +120,18 @@ class RunProgress:
     return prog
 
 
+def _checkpointer():
+  """An orbax checkpointer local to this process: under `jax.distributed` process 0 alone saves (the state is a
+  host numpy tree, the same on every process) and each process restores on its own, so no orbax barrier may
+  wait for the others."""
+  import jax
+  import orbax.checkpoint as ocp
+
+  me = jax.process_index()
+  local = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+  return ocp.Checkpointer(ocp.StandardCheckpointHandler(), multiprocessing_options=local)
+
+
 class Resume:
   """Progress on disk: ``resume/progress.json`` (atomic) pointing at an orbax state dir."""
 
@@ -145,7 +157,7 @@ class Resume:
     os.makedirs(self.dir, exist_ok=True)
     if host_state is not None:
       name = f"state_{int(time.time() * 1e6)}"
-      with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ck:
+      with _checkpointer() as ck:
         ck.save(os.path.join(self.dir, name), args=ocp.args.StandardSave(host_state))
       progress.state_dir = name
     elif progress.unit is None:
@@ -163,7 +175,7 @@ class Resume:
 
     path = os.path.join(self.dir, progress.state_dir or "state_missing")
     try:
-      with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ck:
+      with _checkpointer() as ck:
         return ck.restore(path, args=ocp.args.StandardRestore(template))
     except Exception as e:  # deleted, truncated or foreign: tensorstore / orbax / ValueError
       raise UserError(f"{path}: saved adaptation state is damaged or missing ({type(e).__name__}); rerun without "

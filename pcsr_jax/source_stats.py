@@ -24,6 +24,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import socket
 import sys
 from typing import Any, Callable, Mapping, Optional
 
@@ -131,7 +132,7 @@ def cache_dir_for(checkpoint_dir: str, fallback: str) -> str:
   d = os.path.abspath(checkpoint_dir).rstrip(os.sep) + ".source_stats"
   try:
     os.makedirs(d, exist_ok=True)
-    probe = os.path.join(d, f".write_test_{os.getpid()}")
+    probe = os.path.join(d, f".write_test_{socket.gethostname()}_{os.getpid()}")  # unique across hosts
     open(probe, "w").close()
     os.remove(probe)
     return d

@@ -26,6 +26,7 @@ class Batch:
   names: list[str]
   tags: np.ndarray  # [n] int32: which segment part (corruption) each image came from
   skipped: list[str]  # names of unreadable images in this batch
+  positions: Optional[np.ndarray] = None  # [n] where each image sits among the batch's items (before skipping)
 
 
 def default_workers() -> int:
@@ -41,23 +42,32 @@ class Loader:
     self.workers = workers or default_workers()
     self.prefetch = max(1, prefetch)
 
+  def decode(self, source_id: int, index: int) -> Optional[np.ndarray]:
+    """One preprocessed image, or None if it cannot be read."""
+    try:
+      return self.preprocess(self.sources[source_id].load(int(index)))
+    except Exception:  # unreadable / truncated file: skipped and counted by the caller
+      return None
+
   def _load(self, item):
     sid, idx = item
     src = self.sources[sid]
-    try:
-      x = self.preprocess(src.load(int(idx)))
-    except Exception:  # unreadable / truncated file: skipped and counted by the caller
-      x = None
-    return x, int(src.labels[idx]), src.names[idx], sid
+    return self.decode(sid, idx), int(src.labels[idx]), src.names[idx], sid
 
-  def batches(self, source_ids: np.ndarray, indices: np.ndarray, start_batch: int = 0) -> Iterator[Batch]:
+  def batches(self, source_ids: np.ndarray, indices: np.ndarray, start_batch: int = 0,
+              rows: Optional[tuple[int, int]] = None) -> Iterator[Batch]:
+    """Batches of ``batch_size`` items from ``start_batch`` on. ``rows=(lo, hi)`` decodes only the items at
+    positions ``lo <= i < hi`` of each batch (a process's share under `jax.distributed`); `Batch.positions`
+    says which of them came back."""
     n = len(indices)
+    lo, hi = rows or (0, self.batch_size)
     starts = list(range(start_batch * self.batch_size, n, self.batch_size))
     with cf.ThreadPoolExecutor(self.workers) as pool:
       pending: collections.deque = collections.deque()
 
       def submit(s):
-        items = list(zip(source_ids[s:s + self.batch_size], indices[s:s + self.batch_size]))
+        a, b = s + lo, min(s + hi, s + self.batch_size, n)
+        items = list(zip(source_ids[a:b], indices[a:b]))
         pending.append([pool.submit(self._load, it) for it in items])
 
       for s in starts[:self.prefetch]:
@@ -65,12 +75,13 @@ class Loader:
       for k in range(len(starts)):
         if k + self.prefetch < len(starts):
           submit(starts[k + self.prefetch])
-        rows = [f.result() for f in pending.popleft()]
-        ok = [r for r in rows if r[0] is not None]
+        loaded = [f.result() for f in pending.popleft()]
+        ok = [r for r in loaded if r[0] is not None]
         shape = (0,) if not ok else ok[0][0].shape
         yield Batch(images=np.stack([r[0] for r in ok]) if ok else np.zeros((0,) + shape[1:], np.float32),
                     labels=np.asarray([r[1] for r in ok], np.int32), names=[r[2] for r in ok],
-                    tags=np.asarray([r[3] for r in ok], np.int32), skipped=[r[2] for r in rows if r[0] is None])
+                    tags=np.asarray([r[3] for r in ok], np.int32), skipped=[r[2] for r in loaded if r[0] is None],
+                    positions=np.asarray([lo + i for i, r in enumerate(loaded) if r[0] is not None], np.int64))
 
 
 def decode_throughput(sources, preprocess, n: int = 256, workers: Optional[int] = None) -> float:

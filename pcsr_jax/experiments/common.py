@@ -47,7 +47,23 @@ def parser(prog: str, description: str, presets: dict) -> ArgumentParser:
   p.add_argument("--dtype", help="backbone compute dtype: float32 (default, the paper numbers) or bfloat16 "
                                  "(params, losses, optimizer state stay float32)")
   p.add_argument("--attention", help="attention kernel: matmul (default), xla, or cudnn (GPU, with bfloat16)")
+  g = p.add_argument_group("multi-process runs (jax.distributed; one process per host, a shared --output)")
+  g.add_argument("--coordinator", help="HOST:PORT of process 0 (with --num-processes and --process-id)")
+  g.add_argument("--num-processes", type=int)
+  g.add_argument("--process-id", type=int, help="0 .. num-processes - 1")
+  g.add_argument("--distributed", action="store_true",
+                 help="let jax detect the cluster (TPU pod, SLURM, Open MPI, JAX_COORDINATOR_ADDRESS)")
+  g.add_argument("--heartbeat-timeout", type=int, default=100,
+                 help="seconds after which a dead process stops the others (default 100)")
   return p
+
+
+def start_distributed(a) -> None:
+  """Joins a multi-process run if the flags ask for one; call before anything touches JAX."""
+  from pcsr_jax import distributed
+
+  distributed.initialize(a.coordinator, a.num_processes, a.process_id, auto=a.distributed,
+                         heartbeat_timeout_s=a.heartbeat_timeout)
 
 
 def config_from_args(a, presets: dict, defaults: Optional[dict] = None):

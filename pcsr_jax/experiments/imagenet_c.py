@@ -41,11 +41,12 @@ def builtin_run(a) -> int:
   import time
 
   from pcsr_jax.experiments import builtin
-  from pcsr_jax import checkpoint, harness
+  from pcsr_jax import checkpoint, distributed, harness
   from pcsr_jax.data import corruptions
   from pcsr_jax.errors import UserError
 
   t0 = time.time()
+  say = print if distributed.is_main() else lambda *a, **k: None  # multi-process: process 0 speaks
   for flag in ("dataset", "tfds_data_dir", "image_list", "label_shift_indices"):
     if getattr(a, flag) is not None:
       raise UserError(f"--{flag.replace('_', '-')} needs --data (it does not apply to the built-in benchmark)")
@@ -64,7 +65,7 @@ def builtin_run(a) -> int:
   out = a.output or os.path.join("runs", "builtin_full" if a.full else "builtin")
   orders = ("before", "after") if a.eval_order == "both" else (a.eval_order,)
   acc = meta.get("training", {}).get("clean_test_accuracy")
-  print(f"no --data: built-in benchmark, Fashion-MNIST-C (real Fashion-MNIST test images, CIFAR-10-C-strength "
+  say(f"no --data: built-in benchmark, Fashion-MNIST-C (real Fashion-MNIST test images, CIFAR-10-C-strength "
         f"corruptions) at severity {a.severity or builtin.SEVERITY}, setting {a.setting or 'normal'}; "
         f"{images:,} images per corruption (the first {images:,} of the 10,000 test images), "
         f"{len(corr)} corruptions, seeds {','.join(map(str, seeds))}, batch {a.batch_size or builtin.BATCH_SIZE}; "
@@ -83,11 +84,11 @@ def builtin_run(a) -> int:
         source_data=a.source_data, source_images=a.source_images, dtype=a.dtype or "float32",
         attention=a.attention or "matmul")
     if len(orders) > 1:
-      print(f"--- eval order: {order} (every method predicts {order} its update) ---", flush=True)
+      say(f"--- eval order: {order} (every method predicts {order} its update) ---", flush=True)
     results[order] = harness.run(cfg)
   if len(orders) > 1:
-    print(common.eval_order_table(results, chosen))
-  print(f"built-in benchmark done in {time.time() - t0:.0f} s; outputs in {out}")
+    say(common.eval_order_table(results, chosen))
+  say(f"built-in benchmark done in {time.time() - t0:.0f} s; outputs in {out}")
   return 0
 
 
@@ -99,6 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   g.add_argument("--fashion-mnist-dir", help="dir with Fashion-MNIST's idx(.gz) files (default: Debian's)")
   g.add_argument("--cache-dir", help="where Fashion-MNIST-C is cached (default: ~/.cache/pcsr-jax)")
   a = p.parse_args(argv)
+  common.start_distributed(a)
   if a.data is None:
     return builtin_run(a)
   if a.eval_order == "both":
