@@ -6,6 +6,9 @@
       state, logits, metrics = adapter.step(state, images)
     state = adapter.init_state()               # reset to the source model (new domain)
 
+    adapter = Adapter(..., mean=meta["mean"], std=meta["std"])  # the checkpoint's normalization
+    state, logits, metrics = adapter.step(state, images_u8)    # NHWC uint8 (`Preprocess.to_uint8`)
+
 * ``step(state, images)`` is a pure function of its inputs (the frozen
   backbone is passed to the compiled function as an argument, not baked in).
   It is compiled once per batch size: a smaller (ragged) last batch is padded
@@ -20,23 +23,42 @@
   count. The batch is placed with ``jax.make_array_from_process_local_data``,
   so under ``jax.distributed.initialize`` each process passes its own rows
   (`local_rows`, `place_local`) and the step is unchanged.
+* Input by dtype: float32 images are taken as normalized. uint8 images (4x
+  fewer bytes to transfer) are normalized inside the compiled step with the
+  checkpoint's ``mean``/``std`` given to the Adapter, by a lookup in
+  `transforms.normalize_table`: bit for bit the host's `Preprocess.normalize`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from pcsr_jax.data.transforms import normalize_table
 from pcsr_jax.errors import UserError
 from pcsr_jax.methods.base import AdaptState, Method, merge, split
 
 EVAL_ORDERS = ("before", "after", "perturbed")
+
+
+def normalize_uint8(images: jax.Array, table: np.ndarray, valid: Optional[jax.Array] = None) -> jax.Array:
+  """uint8 NHWC -> normalized float32 by ``table[value, channel]`` (`transforms.normalize_table`).
+
+  Padded rows (``valid`` False) become 0, as the float path pads them, so the two paths feed the model
+  identical arrays.
+  """
+  channels = images.shape[-1]
+  flat = jnp.asarray(table.T.reshape(-1))  # [channels * 256]: channel-major
+  x = jnp.take(flat, images.astype(jnp.int32) + 256 * jnp.arange(channels, dtype=jnp.int32), mode="clip")
+  if valid is not None:
+    x = jnp.where(valid.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0.0)
+  return x
 
 
 def data_mesh(devices: Optional[list] = None) -> Mesh:
@@ -49,7 +71,8 @@ class Adapter:
   """Runs one method online over a stream of batches of a fixed size."""
 
   def __init__(self, method: Method, model, params: Any, *, batch_size: int, eval_order: Optional[str] = None,
-               mesh: Optional[Mesh] = None, seed: int = 0, source_stats: Optional[dict] = None):
+               mesh: Optional[Mesh] = None, seed: int = 0, source_stats: Optional[dict] = None,
+               mean: Optional[Sequence[float]] = None, std: Optional[Sequence[float]] = None):
     if batch_size < 1:
       raise UserError(f"batch_size: expected a positive integer, got {batch_size}")
     self.method = method
@@ -58,6 +81,9 @@ class Adapter:
       raise UserError(f"eval_order: expected {' or '.join(method.eval_orders)} for {method.name}, "
                       f"got '{self.eval_order}'")
     self.batch_size = batch_size
+    if (mean is None) != (std is None):
+      raise UserError("Adapter: give both mean and std (the checkpoint's normalization of uint8 input) or neither")
+    self._table = None if mean is None else normalize_table(mean, std)
     self.mesh = mesh if mesh is not None else data_mesh()
     n_dev = self.mesh.devices.size
     self.padded_batch = math.ceil(batch_size / n_dev) * n_dev
@@ -92,6 +118,8 @@ class Adapter:
 
   def _step_impl(self, frozen, consts, state: AdaptState, images, valid):
     self.num_traces += 1
+    if images.dtype == jnp.uint8:
+      images = normalize_uint8(images, self._table, valid)
     prep = dataclasses.replace(self.prep, consts=consts)  # the traced statistics, not baked-in constants
     state, logits, metrics = self.method.update(prep, frozen, state, images, valid)
     perturbed = metrics.pop("perturbed_logits", None)
@@ -130,8 +158,9 @@ class Adapter:
     return images, valid
 
   def place(self, images) -> tuple[jax.Array, jax.Array]:
-    """A batch (NHWC, normalized) padded and put on the mesh: ``(images, valid)`` for `step_placed`."""
-    images, valid = self.pad(np.asarray(images, np.float32))
+    """A batch (NHWC uint8, or float32 normalized) padded and put on the mesh: ``(images, valid)`` for
+    `step_placed`."""
+    images, valid = self.pad(self._input(images))
     return self.place_local(images, valid)
 
   def local_rows(self) -> tuple[int, int]:
@@ -145,13 +174,24 @@ class Adapter:
 
   def place_local(self, images: np.ndarray, valid: np.ndarray) -> tuple[jax.Array, jax.Array]:
     """This process's rows (`local_rows`) of a padded batch and their valid mask, put on the mesh."""
+    images = self._input(images)
     images = jax.make_array_from_process_local_data(self._batch_sharding, images,
                                                     (self.padded_batch,) + images.shape[1:])
     valid = jax.make_array_from_process_local_data(self._batch_sharding, valid, (self.padded_batch,))
     return images, valid
 
+  def _input(self, images) -> np.ndarray:
+    """uint8 stays uint8 (normalized in the step); anything else is taken as normalized float32."""
+    images = np.asarray(images)
+    if images.dtype != np.uint8:
+      return images.astype(np.float32, copy=False)
+    if self._table is None:
+      raise UserError("uint8 images: the Adapter needs the checkpoint's normalization (Adapter(..., mean=, std=))")
+    return images
+
   def step(self, state: AdaptState, images) -> tuple[AdaptState, jax.Array, dict[str, jax.Array]]:
-    """One online step on a batch (NHWC, normalized). Logits of padded rows are garbage: use ``[:n]``."""
+    """One online step on a batch (NHWC uint8, or float32 normalized). Logits of padded rows are garbage:
+    use ``[:n]``."""
     return self.step_placed(state, self.place(images))
 
   def step_placed(self, state: AdaptState, placed: tuple[jax.Array, jax.Array]

@@ -245,7 +245,7 @@ def _setup(cfg: RunConfig, log) -> _Setup:
   preprocess = spec.preprocess(meta)
   srcs = [s for _, s in domains]
   names = [n for n, _ in domains]
-  decode_ips = decode_throughput(srcs, preprocess, n=min(256, len(srcs[0])), workers=cfg.workers)
+  decode_ips = decode_throughput(srcs, preprocess.to_uint8, n=min(256, len(srcs[0])), workers=cfg.workers)
   log(f"data: {cfg.dataset} from {cfg.data}: {len(domains)} domain(s), {sum(len(s) for s in srcs):,} images; "
       f"decode + preprocess {decode_ips:.0f} img/s")
 
@@ -275,7 +275,7 @@ def _setup(cfg: RunConfig, log) -> _Setup:
     u = progress.unit
     log(f"resuming from {resume.path}: {len(progress.done)} runs done" +
         (f", {u.key} at segment {u.segment} batch {u.batch}" if u else ""))
-  loader = Loader(srcs, preprocess, cfg.batch_size, workers=cfg.workers)
+  loader = Loader(srcs, preprocess.to_uint8, cfg.batch_size, workers=cfg.workers)  # uint8: normalized on device
   return _Setup(cfg, spec, model, params, num_classes, names, srcs, relabel, loader, resume, progress,
                 config_json, decode_ips, exchange, meta)
 
@@ -308,7 +308,8 @@ def _run_seed(setup: _Setup, seed: int, stop: "_Stop", log) -> bool:
                                  cfg.method_args.get(method_name, {}), setup.meta)
     method, stats, used = _source_stats(setup, method, log)
     adapter = engine.Adapter(method, setup.model, setup.params, batch_size=cfg.batch_size,
-                             eval_order=cfg.eval_order, seed=seed, source_stats=stats)
+                             eval_order=cfg.eval_order, seed=seed, source_stats=stats,
+                             mean=setup.meta["mean"], std=setup.meta["std"])
     if not _run_unit(setup, key, method_name, seed, adapter, segments, stop, log, used):
       return False
   return True

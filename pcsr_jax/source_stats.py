@@ -180,7 +180,7 @@ def compute(method: Method, model: Any, params: Any, data: SourceData, indices: 
 
   prep = method.prepare(model, params, jax.random.key(0), batch_size)
   frozen, trainable = split(prep.params, prep.is_trainable)
-  loader = Loader([data.source], data.preprocess, batch_size, workers=workers)
+  loader = Loader([data.source], data.preprocess.to_uint8, batch_size, workers=workers)
   bar = tqdm(total=len(indices), desc=f"{method.name} source statistics", unit="img",
              disable=not (progress and sys.stderr.isatty()), file=sys.stderr)
 
@@ -188,7 +188,8 @@ def compute(method: Method, model: Any, params: Any, data: SourceData, indices: 
     for b in loader.batches(np.zeros(len(indices), np.int64), indices):
       bar.update(len(b.labels) + len(b.skipped))
       if len(b.labels):
-        yield b.images, b.labels.astype(np.int32)
+        # `compute_source_stats` takes normalized float32 (host arrays): the same arithmetic as `Preprocess`.
+        yield data.preprocess.normalize(b.images), b.labels.astype(np.int32)
 
   try:
     out = method.compute_source_stats(prep, frozen, trainable, batches())

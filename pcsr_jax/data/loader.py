@@ -21,7 +21,7 @@ import numpy as np
 
 @dataclasses.dataclass
 class Batch:
-  images: np.ndarray  # [n, H, W, 3] float32, n <= batch size (skipped images removed)
+  images: np.ndarray  # [n, H, W, 3] as ``preprocess`` returns it, n <= batch size (skipped images removed)
   labels: np.ndarray  # [n] int32
   names: list[str]
   tags: np.ndarray  # [n] int32: which segment part (corruption) each image came from
@@ -34,7 +34,11 @@ def default_workers() -> int:
 
 
 class Loader:
-  """Iterates batches of ``items`` (``(source_id, index)`` pairs) in order."""
+  """Iterates batches of ``items`` (``(source_id, index)`` pairs) in order.
+
+  ``preprocess`` maps a loaded image to an HWC array: `Preprocess.to_uint8` (the harness: uint8, normalized
+  on the device by the engine) or a `Preprocess` itself (float32, normalized on the host).
+  """
 
   def __init__(self, sources: Sequence, preprocess: Callable, batch_size: int, workers: Optional[int] = None,
                prefetch: int = 2):
