@@ -20,7 +20,6 @@ grain is optional (``pip install grain``); the script also reports how grain tre
 
 from __future__ import annotations
 
-import io
 import os
 import sys
 import tempfile

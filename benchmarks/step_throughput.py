@@ -220,7 +220,8 @@ def parser() -> ArgumentParser:
   p = ArgumentParser(prog="step_throughput.py", description=__doc__.split("\n\n")[0])
   p.add_argument("--arch", default="vit_small_patch16_224")
   p.add_argument("--batch-size", type=int, default=16)
-  p.add_argument("--method", default="pcsr", help="a registered method: " + ", ".join(_method_names()))
+  p.add_argument("--method", default="pcsr", help="a registered method, a comma-separated list, or 'all' (then a "
+                 "table of every method): " + ", ".join(_method_names()))
   p.add_argument("--steps", type=int, default=10)
   p.add_argument("--warmup", type=int, default=2)
   p.add_argument("--frameworks", default="jax,torch", help="comma-separated: jax, torch")
@@ -234,30 +235,30 @@ def parser() -> ArgumentParser:
   return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-  a = parser().parse_args(argv)
-  from pcsr_jax.models import get_config
+# One step of these takes tens of forwards (FOA 28, CoTTA up to 35, MEMO 65 per image): in a table of every
+# method they run `HEAVY_STEPS` timed steps after no warm-up, whatever --steps and --warmup say.
+HEAVY = ("foa", "cotta", "memo")
+HEAVY_STEPS = 1
 
-  get_config(a.arch)  # validate before spawning workers
+
+def measure(a, method: str, argv: Sequence[str]) -> dict:
+  """Both frameworks' figures for one method, each framework in its own subprocess; prints them."""
   from pcsr_jax import methods
 
-  cost = methods.get(a.method).cost  # validates the name too
-  if a.batch_size < 1 or a.steps < 1:
-    raise UserError("--batch-size and --steps must be positive")
-  if a.worker:
-    print(json.dumps(run_jax(a) if a.worker == "jax" else run_torch(a)))
-    return 0
+  cost = methods.get(method).cost
   results = {}
   for fw in [f.strip() for f in a.frameworks.split(",") if f.strip()]:
     if fw not in ("jax", "torch"):
       raise UserError(f"--frameworks: unknown framework '{fw}' (expected jax, torch)")
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", fw] + list(argv if argv is not None else sys.argv[1:])
+    cmd = [sys.executable, os.path.abspath(__file__)] + list(argv) + ["--worker", fw, "--method", method,
+                                                                      "--steps", str(a.steps),
+                                                                      "--warmup", str(a.warmup)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
       tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
-      raise UserError(f"{fw} worker failed: {tail}")
+      raise UserError(f"{method}: {fw} worker failed: {tail}")
     results[fw] = json.loads(r.stdout.strip().splitlines()[-1])
-  print(f"{a.method} step ({cost} per batch), {a.arch}, batch {a.batch_size}, {a.dtype}, {a.steps} timed steps "
+  print(f"{method} step ({cost} per batch), {a.arch}, batch {a.batch_size}, {a.dtype}, {a.steps} timed steps "
         f"after {a.warmup} warm-up")
   for fw, r in results.items():
     print(f"  {fw:5s} [{r['device']}, {r['version']}]: {r['images_per_s']:8.2f} img/s   first step "
@@ -265,10 +266,46 @@ def main(argv: Sequence[str] | None = None) -> int:
   if "jax" in results and "torch" in results:
     ratio = results["jax"]["images_per_s"] / results["torch"]["images_per_s"]
     results["ratio_jax_over_torch"] = ratio
-    print(f"  ratio JAX / PyTorch: {ratio:.2f}x")
+    print(f"  ratio JAX / PyTorch: {ratio:.2f}x", flush=True)
+  return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  a = parser().parse_args(argv)
+  from pcsr_jax.experiments.common import parse_methods
+  from pcsr_jax.models import get_config
+
+  get_config(a.arch)  # validate before spawning workers
+  if a.batch_size < 1 or a.steps < 1 or a.warmup < 0:
+    raise UserError("--batch-size and --steps must be positive, --warmup non-negative")
+  if a.worker:
+    print(json.dumps(run_jax(a) if a.worker == "jax" else run_torch(a)))
+    return 0
+  from pcsr_jax import methods
+
+  chosen = parse_methods(a.method)  # one name, a comma-separated list, or "all"
+  for m in chosen:
+    methods.get(m)  # an unknown name: one line naming it, before any worker starts
+  table = {}
+  for m in chosen:
+    steps, warmup = (HEAVY_STEPS, 0) if len(chosen) > 1 and m in HEAVY else (a.steps, a.warmup)
+    table[m] = measure(argparse.Namespace(**{**vars(a), "steps": steps, "warmup": warmup}), m, argv)
+  if len(chosen) > 1:
+    fws = [fw for fw in ("jax", "torch") if any(fw in r for r in table.values())]
+    print(f"\n{a.arch}, batch {a.batch_size}, {a.dtype}, images/s (FOA, CoTTA, MEMO: {HEAVY_STEPS} timed step "
+          f"after the first)\n")
+    print("| method | " + " | ".join({"jax": "JAX", "torch": "PyTorch"}[f] for f in fws)
+          + (" | JAX / PyTorch |" if len(fws) == 2 else " |"))
+    print("|---" * (len(fws) + 1 + (len(fws) == 2)) + "|")
+    for m, r in table.items():
+      cells = [f"{r[f]['images_per_s']:.2f}" for f in fws]
+      if len(fws) == 2:
+        cells.append(f"{r['ratio_jax_over_torch']:.2f}")
+      print(f"| {m} | " + " | ".join(cells) + " |")
   if a.json:
     with open(a.json, "w") as f:
-      json.dump(dict(args=vars(a), results=results), f, indent=1)
+      json.dump(dict(args=vars(a), results=table if len(chosen) > 1 else table[chosen[0]]), f, indent=1)
   return 0
 
 

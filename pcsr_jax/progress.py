@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from pcsr_jax import files
 from pcsr_jax.errors import UserError
 
 
@@ -162,10 +163,7 @@ class Resume:
       progress.state_dir = name
     elif progress.unit is None:
       progress.state_dir = None
-    tmp = self.path + ".tmp"
-    with open(tmp, "w") as f:
-      json.dump(progress.to_json(), f)
-    os.replace(tmp, self.path)  # the switch to the new state is atomic
+    files.write_json(self.path, progress.to_json())  # the switch to the new state is atomic
     for d in os.listdir(self.dir):
       if d.startswith("state_") and d != progress.state_dir:
         shutil.rmtree(os.path.join(self.dir, d), ignore_errors=True)

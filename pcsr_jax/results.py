@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import csv
-import json
 import os
 from typing import Any, Sequence
 
 import numpy as np
 
+from pcsr_jax import files
 from pcsr_jax.data.imagenet import SHORT_NAMES
 
 FIELDS = ("method", "setting", "corruption", "severity", "seed", "eval_order", "accuracy", "num_samples",
@@ -17,10 +17,7 @@ FIELDS = ("method", "setting", "corruption", "severity", "seed", "eval_order", "
 
 def write_json(path: str, records: Sequence[dict], config: dict, extra: dict | None = None,
                complete: bool = True) -> None:
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(dict(complete=complete, config=config, records=list(records), **(extra or {})), f, indent=1)
-  os.replace(tmp, path)
+  files.write_json(path, dict(complete=complete, config=config, records=list(records), **(extra or {})), indent=1)
 
 
 def write_csv(path: str, records: Sequence[dict]) -> None:

@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping, Optional
 import jax
 import numpy as np
 
-from pcsr_jax import methods
+from pcsr_jax import files, methods
 from pcsr_jax.data import sources, transforms
 from pcsr_jax.data.loader import Loader
 from pcsr_jax.errors import UserError
@@ -164,13 +164,9 @@ def load_cached(path: str, desc: dict) -> tuple[Optional[dict], str]:
 
 
 def _save(path: str, arrays: dict, desc: dict) -> None:
-  tmp = path + f".tmp{os.getpid()}.npz"
-  np.savez(tmp, **arrays)
-  os.replace(tmp, path + ".npz")
-  tmp_meta = path + f".tmp{os.getpid()}.json"
-  with open(tmp_meta, "w") as f:
-    json.dump(dict(describe=desc, sha256=_file_sha(path + ".npz")), f, indent=1)
-  os.replace(tmp_meta, path + ".json")
+  with files.atomic_path(path + ".npz") as tmp:
+    np.savez(tmp, **arrays)
+  files.write_json(path + ".json", dict(describe=desc, sha256=_file_sha(path + ".npz")), indent=1)
 
 
 def compute(method: Method, model: Any, params: Any, data: SourceData, indices: np.ndarray, batch_size: int,

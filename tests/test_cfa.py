@@ -15,6 +15,7 @@ from pcsr_jax.errors import UserError
 from pcsr_jax.methods.base import split
 from pcsr_jax.methods.cfa import clip_grad_norm_torch
 from pcsr_jax.models import ViTConfig, create
+from pcsr_jax.models.vit import features_and_logits
 from tiny import TINY, batches, tiny_model
 
 B = 8
@@ -42,16 +43,10 @@ def stats_for(method, model, params, source):
   return method.compute_source_stats(prep, frozen, trainable, iter(source))
 
 
-def logits_and_prelogits(model, params, x):
-  """The model's logits and the head's input (``pre_logits=True``), as CFA computes them."""
-  z = model.apply({"params": params}, x, pre_logits=True)
-  return model.apply({"params": params}, z, method="classify"), z
-
-
 def test_prelogits_are_the_head_input_and_default_output_is_unchanged():
   model, params = tiny_model()
   x = batches(1, 4)[0]
-  logits, z = logits_and_prelogits(model, params, x)
+  z, logits = features_and_logits(model, params, x)
   np.testing.assert_allclose(model.apply({"params": params}, x), logits, rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(z @ params["head"]["kernel"] + params["head"]["bias"], logits, rtol=1e-5, atol=1e-5)
   assert z.shape == (4, TINY.embed_dim)
@@ -61,7 +56,7 @@ def test_source_statistics_match_two_pass_numpy():
   model, params = tiny_model()
   source = labelled_source()
   stats = stats_for(methods.get("cfa"), model, params, source)
-  h = np.concatenate([np_h(np.asarray(logits_and_prelogits(model, params, x)[1]))
+  h = np.concatenate([np_h(np.asarray(features_and_logits(model, params, x)[0]))
                       for x, _ in source])
   y = np.concatenate([y for _, y in source])
   mu = h.mean(0)
@@ -90,7 +85,7 @@ def np_cfa_loss(logits, z, stats, moments=3):
 def test_loss_matches_numpy_and_classes_without_source_images_are_left_out():
   model, params = tiny_model()
   x = batches(1, B, seed=3)[0]
-  logits, z = (np.asarray(a) for a in logits_and_prelogits(model, params, x))
+  z, logits = (np.asarray(a) for a in features_and_logits(model, params, x))
   yhat = set(logits.argmax(-1).tolist())
   assert len(yhat) >= 2
   missing = min(yhat)  # a predicted class the source set has no image of

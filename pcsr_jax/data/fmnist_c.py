@@ -23,6 +23,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from pcsr_jax import files
 from pcsr_jax.data import corruptions, fashion_mnist
 from pcsr_jax.errors import UserError
 
@@ -87,14 +88,10 @@ class Store:
     npy, rec = self._paths(corruption, severity)
     if os.path.exists(rec):
       os.remove(rec)  # the record goes last: a crash in between leaves an entry that fails `check`
-    tmp = npy + ".tmp.npy"
-    np.save(tmp, images)
-    os.replace(tmp, npy)
-    meta = dict(version=VERSION, corruption=corruption, severity=severity, seed=self.seed,
-                source_digest=self.source_digest, count=len(images), sha256=_sha(images))
-    with open(rec + ".tmp", "w") as f:
-      json.dump(meta, f)
-    os.replace(rec + ".tmp", rec)
+    with files.atomic_path(npy) as tmp:
+      np.save(tmp, images)
+    files.write_json(rec, dict(version=VERSION, corruption=corruption, severity=severity, seed=self.seed,
+                               source_digest=self.source_digest, count=len(images), sha256=_sha(images)))
 
   def get_many(self, pairs: Sequence[tuple[str, int]], n: int, progress: bool = True) -> dict:
     """``{(corruption, severity): uint8 [n, 32, 32, 3]}``, generating what the cache lacks."""

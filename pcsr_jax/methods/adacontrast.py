@@ -48,6 +48,7 @@ import optax
 from pcsr_jax import augment
 from pcsr_jax.errors import UserError
 from pcsr_jax.methods.base import AdaptState, Method, Prepared, merge
+from pcsr_jax.models.vit import features_and_logits
 
 Array = jax.Array
 
@@ -101,12 +102,6 @@ def class_aware_mask(labels: Array, queue_labels: Array) -> Array:
 
 def l2_normalize(x: Array) -> Array:
   return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)  # F.normalize
-
-
-def features_and_logits(model, params: Any, images: Array) -> tuple[Array, Array]:
-  """The pre-logit feature (final LayerNorm's class token, what the head reads) and the logits."""
-  z = model.apply({"params": params}, images, pre_logits=True)
-  return z, model.apply({"params": params}, z, method="classify")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -284,3 +284,19 @@ class Method(abc.ABC):
   def apply_gradients(prep: Prepared, state: AdaptState, grads: Params) -> AdaptState:
     updates, opt_state = prep.tx.update(grads, state.opt_state, state.trainable)
     return state.replace(trainable=optax.apply_updates(state.trainable, updates), opt_state=opt_state)
+
+  @classmethod
+  def apply_gradients_if(cls, prep: Prepared, state: AdaptState, pred: Array,
+                         grads: Callable[[], Params]) -> AdaptState:
+    """`apply_gradients` with ``grads()`` when ``pred``, else ``state`` unchanged (params and optimizer state).
+
+    Under ``lax.cond``: a batch on which the method's filters keep nothing skips the backward pass (``grads``
+    is traced into the taken branch only), as the official codes return before ``loss.backward()``. Build
+    ``grads`` from a ``jax.vjp`` pullback of the forward already computed, so the kept case costs no extra
+    forward."""
+    def step(_):
+      new = cls.apply_gradients(prep, state, grads())
+      return new.trainable, new.opt_state
+
+    trainable, opt_state = jax.lax.cond(pred, step, lambda _: (state.trainable, state.opt_state), None)
+    return state.replace(trainable=trainable, opt_state=opt_state)

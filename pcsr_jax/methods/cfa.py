@@ -36,6 +36,7 @@ import optax
 
 from pcsr_jax.errors import UserError
 from pcsr_jax.methods.base import Method, Prepared, is_layernorm_param, merge, sgd
+from pcsr_jax.models.vit import features_and_logits
 
 SAVE_MAX_MOMENT = 5  # main.py --save_max_moment: the statistics hold moments 1..5
 VALUE_RANGE = 2.0  # value_max - value_min of tanh's output
@@ -100,9 +101,7 @@ class CFA(Method):
   @staticmethod
   def features(prep: Prepared, frozen: Any, trainable: Any, images: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(logits, h)``: the model's logits and the standardized head input."""
-    variables = {"params": merge(frozen, trainable)}
-    z = prep.model.apply(variables, images, pre_logits=True)
-    logits = prep.model.apply(variables, z, method="classify")
+    z, logits = features_and_logits(prep.model, merge(frozen, trainable), images)
     return logits, standardize(z)
 
   def compute_source_stats(self, prep: Prepared, frozen: Any, trainable: Any,

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from pcsr_jax import losses
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import Method, Prepared, is_block_layernorm_param, sar_code_lr, sgd, tree_where
+from pcsr_jax.methods.base import Method, Prepared, is_block_layernorm_param, sar_code_lr, sgd
 
 Array = jax.Array
 
@@ -93,25 +93,24 @@ class DeYO(Method):
     tau_ent = losses.entropy_margin(num_classes, self.ent_factor)
     e0 = self.margin(num_classes)
     rng, perms = self.step_permutations(state.rng, images.shape[0])
-    logits_prime, _ = self.forward(prep, frozen, state.trainable, shuffle_patches(images, perms, self.patch_len))
-    prob_prime = jax.nn.softmax(jax.lax.stop_gradient(logits_prime).astype(jnp.float32), axis=-1)
+    logits, pullback = jax.vjp(lambda t: self.forward(prep, frozen, t, images)[0], state.trainable)
+    ent = losses.entropy(logits)
+    mask1 = losses.reliable_mask(ent, tau_ent, valid)
+    prob = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    yhat = jnp.argmax(prob, axis=-1)[:, None]
 
-    def loss_fn(trainable):
-      logits, _ = self.forward(prep, frozen, trainable, images)
-      ent = losses.entropy(logits)
-      mask1 = losses.reliable_mask(ent, tau_ent, valid)
-      prob = jax.nn.softmax(jax.lax.stop_gradient(logits).astype(jnp.float32), axis=-1)
-      yhat = jnp.argmax(prob, axis=-1)[:, None]
-      plpd = (jnp.take_along_axis(prob, yhat, -1) - jnp.take_along_axis(prob_prime, yhat, -1))[:, 0]
-      mask2 = mask1 & (plpd > self.plpd_threshold)
-      coeff = jnp.exp(-(jax.lax.stop_gradient(ent) - e0)) + jnp.exp(plpd)
-      return losses.masked_mean(coeff * ent, mask2), (logits, mask1, mask2)
+    def plpd_of_shuffled(_):
+      logits_prime, _ = self.forward(prep, frozen, state.trainable, shuffle_patches(images, perms, self.patch_len))
+      prob_prime = jax.nn.softmax(logits_prime.astype(jnp.float32), axis=-1)
+      return (jnp.take_along_axis(prob, yhat, -1) - jnp.take_along_axis(prob_prime, yhat, -1))[:, 0]
 
-    (loss, (logits, mask1, mask2)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.trainable)
-    stepped = self.apply_gradients(prep, state, grads)
-    kept = jnp.any(mask2)  # the official code returns before optimizer.step() when nothing is kept
-    state = state.replace(trainable=tree_where(kept, stepped.trainable, state.trainable),
-                          opt_state=tree_where(kept, stepped.opt_state, state.opt_state),
-                          step=state.step + 1, rng=rng)
+    # The official code returns after the entropy filter when it keeps nothing (no shuffled forward), and
+    # after the PLPD filter when that keeps nothing (no backward, no optimizer.step()).
+    plpd = jax.lax.cond(jnp.any(mask1), plpd_of_shuffled, lambda _: jnp.zeros_like(ent), None)
+    mask2 = mask1 & (plpd > self.plpd_threshold)
+    coeff = jnp.exp(-(ent - e0)) + jnp.exp(plpd)
+    loss, dlogits = jax.value_and_grad(lambda lg: losses.masked_mean(coeff * losses.entropy(lg), mask2))(logits)
+    state = self.apply_gradients_if(prep, state, jnp.any(mask2), lambda: pullback(dlogits)[0])
+    state = state.replace(step=state.step + 1, rng=rng)
     metrics = {"loss": loss, "num_reliable": jnp.sum(mask1), "num_reliable2": jnp.sum(mask2)}
     return state, logits, metrics

@@ -35,7 +35,7 @@ from flax import traverse_util
 
 from pcsr_jax import losses
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import Method, Prepared, is_layernorm_param, merge, sar_code_lr, sgd, tree_where
+from pcsr_jax.methods.base import Method, Prepared, is_layernorm_param, merge, sar_code_lr, sgd
 
 PROBS_MOMENTUM = 0.9  # update_model_probs: 0.9 * m + (1 - 0.9) * mean(new probs)
 
@@ -152,24 +152,25 @@ class EATA(Method):
     e_margin = self.margin(prep.model.config.num_classes)  # as SAR and TENT: ln of the checkpoint's classes
     consts = prep.consts if self.fisher_alpha != 0 else None
 
-    def loss_fn(trainable):
-      logits, _ = self.forward(prep, frozen, trainable, images)
-      ent = losses.entropy(logits)
-      probs = jax.lax.stop_gradient(jax.nn.softmax(logits.astype(jnp.float32), axis=-1))
-      reliable, kept, avg = select_samples(probs, jax.lax.stop_gradient(ent), valid, state.extra, e_margin,
-                                           self.d_margin)
-      weight = jax.lax.stop_gradient(jnp.exp(e_margin - ent))  # 1 / exp(ent - E0)
-      loss = losses.masked_mean(ent * weight, kept)
-      if consts is not None:
-        ewc = sum(jnp.sum(consts[f"fisher/{_key(k)}"] * jnp.square(p - consts[f"theta0/{_key(k)}"]))
-                  for k, p in traverse_util.flatten_dict(trainable).items())
-        loss = loss + self.fisher_alpha * ewc
-      return loss, (logits, reliable, kept, avg)
+    logits, pullback = jax.vjp(lambda t: self.forward(prep, frozen, t, images)[0], state.trainable)
+    ent = losses.entropy(logits)
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    reliable, kept, avg = select_samples(probs, ent, valid, state.extra, e_margin, self.d_margin)
+    weight = jnp.exp(e_margin - ent)  # 1 / exp(ent - E0), a constant of the loss
+    loss, dlogits = jax.value_and_grad(lambda lg: losses.masked_mean(losses.entropy(lg) * weight, kept))(logits)
 
-    (loss, (logits, reliable, kept, avg)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.trainable)
-    new = self.apply_gradients(prep, state, grads)
-    any_kept = jnp.any(kept)  # official: backward and optimizer.step only if x[ids1][ids2] is not empty
-    state = state.replace(trainable=tree_where(any_kept, new.trainable, state.trainable),
-                          opt_state=tree_where(any_kept, new.opt_state, state.opt_state),
-                          step=state.step + 1, extra=avg)
+    def ewc(trainable):
+      return self.fisher_alpha * sum(
+          jnp.sum(consts[f"fisher/{_key(k)}"] * jnp.square(p - consts[f"theta0/{_key(k)}"]))
+          for k, p in traverse_util.flatten_dict(trainable).items())
+
+    def grads():
+      g = pullback(dlogits)[0]
+      return g if consts is None else jax.tree.map(jnp.add, g, jax.grad(ewc)(state.trainable))
+
+    if consts is not None:
+      loss = loss + ewc(state.trainable)
+    # Official: backward and optimizer.step only if x[ids1][ids2] is not empty.
+    state = self.apply_gradients_if(prep, state, jnp.any(kept), grads)
+    state = state.replace(step=state.step + 1, extra=avg)
     return state, logits, {"loss": loss, "num_reliable": jnp.sum(reliable), "num_kept": jnp.sum(kept)}

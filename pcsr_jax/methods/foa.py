@@ -82,7 +82,9 @@ class FOA(Method):
   sigma0: float = 1.0
   shift: bool = True  # activation shifting (eq. 7)
   seed: int = 2020  # the initial prompts
-  chunk: int = 0  # candidates evaluated at once (jax.lax.map batch_size); 0: all 28
+  # Candidates evaluated at once (jax.lax.map batch_size). 0: all 28 on a GPU/TPU, one at a time on a CPU, where a
+  # 28x larger batch runs slower per image (ViT-S/16, batch 16, 2 cores: 34 s per step against 27.5 s).
+  chunk: int = 0
 
   def __post_init__(self):
     if self.num_prompts < 1:
@@ -90,7 +92,7 @@ class FOA(Method):
     if self.popsize < 3:
       raise UserError(f"foa popsize: expected at least 3, got {self.popsize}")
     if self.chunk < 0:
-      raise UserError(f"foa chunk: expected 0 (all candidates) or a positive integer, got {self.chunk}")
+      raise UserError(f"foa chunk: expected 0 (automatic) or a positive integer, got {self.chunk}")
 
   def prepare(self, model, params, rng, batch_size):
     return Prepared(model, params, is_trainable=lambda path: False, tx=optax.identity())
@@ -164,7 +166,8 @@ class FOA(Method):
     def one(prompts):
       return self.evaluate(prep, frozen, images, valid, prompts.reshape(self.num_prompts, d), shift)
 
-    fitness, logits, means = jax.lax.map(one, candidates, batch_size=self.chunk or candidates.shape[0])
+    chunk = self.chunk or (1 if jax.default_backend() == "cpu" else candidates.shape[0])
+    fitness, logits, means = jax.lax.map(one, candidates, batch_size=chunk)
     best = jnp.argmin(fitness)  # the first of equal minima, as the official's strict `>`
     sampled = jnp.arange(candidates.shape[0]) < samples.shape[0]
     es_state = self.cma(prep.model).tell(foa.es, candidates, fitness, sampled)

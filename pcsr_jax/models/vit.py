@@ -265,6 +265,13 @@ def create(config: ViTConfig, recalibration: Optional[Any] = None, dtype: Dtype 
   return VisionTransformer(config, recalibration, dtype=dtype, attention=attention)
 
 
+def features_and_logits(model: VisionTransformer, params: Any, images: Array) -> tuple[Array, Array]:
+  """``(feature, logits)`` of one forward: the head's input (the final-norm class token, timm's
+  ``forward_head(pre_logits=True)``), on which CFA, AdaContrast and T3A build, and the logits from it."""
+  z = model.apply({"params": params}, images, pre_logits=True)
+  return z, model.apply({"params": params}, z, method="classify")
+
+
 def compute_dtype(name: str) -> Dtype:
   """The ``dtype`` for a command-line name: None for 'float32' (the default path), else the jnp dtype."""
   names = {"float32": None, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
