@@ -10,6 +10,8 @@ CUDA ``synchronize``). ``--dtype bfloat16`` runs JAX's backbone in bf16
 (float32 params and optimizer state) and PyTorch's step under bf16 autocast.
 Prints images/s for both, their ratio, the compile (first-step) time and the
 peak memory: device peak on a GPU, the process's peak RSS on the CPU.
+``--cpu-devices N`` splits the CPU into N JAX devices sharing the batch (one per
+core is XLA:CPU's fastest setting; PyTorch uses all cores' threads either way).
 """
 
 from __future__ import annotations
@@ -130,7 +132,8 @@ def time_jax(method_name: str, model, params, x, *, steps: int, warmup: int, dty
   fell_back = any("using 'matmul'" in str(w.message) for w in caught)
   dev = jax.devices()[0]
   mem = dev.memory_stats() if dev.platform == "gpu" else None
-  return dict(framework="jax", device=dev.device_kind, images_per_s=b / dt, step_ms=1e3 * dt, compile_s=first_s,
+  kind = dev.device_kind if jax.device_count() == 1 else f"{jax.device_count()} x {dev.device_kind}"
+  return dict(framework="jax", device=kind, devices=jax.device_count(), images_per_s=b / dt, step_ms=1e3 * dt, compile_s=first_s,
               dtype=dtype, attention="matmul" if fell_back else attention,
               fp32_matmul=fp32_matmul if dtype == "float32" else None,
               peak_mb=mem["peak_bytes_in_use"] / 2**20 if mem else peak_rss_mb(), peak_kind="device" if mem else "rss",
@@ -199,6 +202,9 @@ def time_torch(method_name: str, model, x, *, steps: int, warmup: int, dtype: st
 
 
 def run_jax(a) -> dict:
+  from pcsr_jax import engine
+
+  engine.use_cpu_devices(a.cpu_devices)
   model, params, x = jax_inputs(a.arch, a.batch_size)
   return time_jax(a.method, model, params, x, steps=a.steps, warmup=a.warmup, dtype=a.dtype, attention=a.attention,
                   fp32_matmul=a.fp32_matmul)
@@ -230,6 +236,8 @@ def parser() -> ArgumentParser:
   p.add_argument("--attention", default="matmul", help="JAX attention kernel: matmul, xla, cudnn (GPU, bf16)")
   p.add_argument("--fp32-matmul", default="tf32", choices=FP32_MATMUL,
                  help="float32 matmul precision on Ampere+ GPUs, both frameworks (tf32: XLA's default)")
+  p.add_argument("--cpu-devices", type=int, help="JAX on a CPU: split it into N devices sharing the batch (as the "
+                 "harness's --cpu-devices; default 1)")
   p.add_argument("--json", help="also write the results to this JSON file")
   p.add_argument("--worker", choices=["jax", "torch"], help=argparse.SUPPRESS)  # internal: one framework
   return p

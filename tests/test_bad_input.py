@@ -117,8 +117,13 @@ def test_flag_values(world, tmp_path):
                        ("--eval-order perturbed: not available for source", ["--eval-order", "perturbed"]),
                        ("--source-images: expected a positive integer", ["--source-images", "0"]),
                        ("--source-data /nowhere: not a folder", ["--source-data", "/nowhere"]),
-                       ("--source-data tfds:x:y:z: expected tfds", ["--source-data", "tfds:x:y:z"])):
+                       ("--source-data tfds:x:y:z: expected tfds", ["--source-data", "tfds:x:y:z"]),
+                       ("--cpu-devices: expected a positive number of devices, got 0", ["--cpu-devices", "0"])):
     fails(match, world, tmp_path / "out", *flags)
+  import jax
+
+  jax.devices()  # the backend runs in this process: too late to split the CPU
+  fails("--cpu-devices: too late", world, tmp_path / "out", "--cpu-devices", "2")
 
 
 def test_output_paths(world, tmp_path):

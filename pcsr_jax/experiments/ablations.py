@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   p = common.parser("ablations.py", __doc__.split("\n\n")[0], PRESETS)
   p.add_argument("--table", required=True, choices=["conditioning", "aggregation", "qkv", "lr"])
   a = p.parse_args(argv)
-  common.start_distributed(a)
+  common.start_devices(a)
   common.run_table(a, PRESETS, "ablation", variants(a.table), a.table, output=f"ablation_{a.table}")
   return 0
 

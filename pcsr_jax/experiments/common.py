@@ -47,6 +47,8 @@ def parser(prog: str, description: str, presets: dict) -> ArgumentParser:
   p.add_argument("--dtype", help="backbone compute dtype: float32 (default, the paper numbers) or bfloat16 "
                                  "(params, losses, optimizer state stay float32)")
   p.add_argument("--attention", help="attention kernel: matmul (default), xla, or cudnn (GPU, with bfloat16)")
+  p.add_argument("--cpu-devices", type=int, help="on a CPU: split it into N JAX devices sharing each batch (one per "
+                 "core is fastest; default 1)")
   g = p.add_argument_group("multi-process runs (jax.distributed; one process per host, a shared --output)")
   g.add_argument("--coordinator", help="HOST:PORT of process 0 (with --num-processes and --process-id)")
   g.add_argument("--num-processes", type=int)
@@ -58,10 +60,12 @@ def parser(prog: str, description: str, presets: dict) -> ArgumentParser:
   return p
 
 
-def start_distributed(a) -> None:
-  """Joins a multi-process run if the flags ask for one; call before anything touches JAX."""
-  from pcsr_jax import distributed
+def start_devices(a) -> None:
+  """Sets the CPU device count and joins a multi-process run if the flags ask; call before anything touches
+  JAX."""
+  from pcsr_jax import distributed, engine
 
+  engine.use_cpu_devices(a.cpu_devices)
   distributed.initialize(a.coordinator, a.num_processes, a.process_id, auto=a.distributed,
                          heartbeat_timeout_s=a.heartbeat_timeout)
 

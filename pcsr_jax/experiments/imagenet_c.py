@@ -100,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   g.add_argument("--fashion-mnist-dir", help="dir with Fashion-MNIST's idx(.gz) files (default: Debian's)")
   g.add_argument("--cache-dir", help="where Fashion-MNIST-C is cached (default: ~/.cache/pcsr-jax)")
   a = p.parse_args(argv)
-  common.start_distributed(a)
+  common.start_devices(a)
   if a.data is None:
     return builtin_run(a)
   if a.eval_order == "both":

@@ -27,7 +27,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--visda", help="the folder VisDA-2021's validation zip was unpacked in (val_filelists/, "
                                  "val_data/); --image-list names another list")
   a = p.parse_args(argv)
-  common.start_distributed(a)
+  common.start_devices(a)
   runs = {name: dict(data=path, dataset=name) for name, path in
           (("imagenet_r", a.imagenet_r), ("imagenet_a", a.imagenet_a), ("visda", a.visda)) if path}
   if not runs:

@@ -19,7 +19,7 @@ PRESETS = {"wild": dict(severity=5, batch_size=64, seeds=(2022, 2023, 2024))}
 def main(argv: Sequence[str] | None = None) -> int:
   p = common.parser("wild.py", __doc__.split("\n\n")[0], PRESETS)
   a = p.parse_args(argv)
-  common.start_distributed(a)
+  common.start_devices(a)
   common.run_table(a, PRESETS, "wild", {"label_shifts": dict(setting="label_shifts"),
                                         "mix_shifts": dict(setting="mix_shifts")}, "setting")
   return 0

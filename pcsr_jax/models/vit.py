@@ -43,12 +43,12 @@ import jax.numpy as jnp
 
 from pcsr_jax.errors import UserError
 from pcsr_jax.models.configs import ViTConfig
+from pcsr_jax.models.ops import LayerNorm, gelu, softmax_attention
 
 Array = jax.Array
 
 LN_EPS = 1e-6  # timm: partial(nn.LayerNorm, eps=1e-6)
 ATTENTION_IMPLS = ("matmul", "xla", "cudnn")
-_SQRT1_2 = 0.7071067811865476  # M_SQRT1_2, as torch's GELU multiplies by it
 Dtype = Any  # a jnp floating dtype, or None for float32
 
 
@@ -67,14 +67,6 @@ class Recalibration(Protocol):
 
   def make(self, dtype: Dtype = None) -> nn.Module:
     ...
-
-
-def gelu(x: Array) -> Array:
-  """Exact GELU in torch's own form, ``x * 0.5 * (1 + erf(x / sqrt(2)))`` (flax's default is the tanh
-  approximation). Not ``jax.nn.gelu(approximate=False)``, whose ``erfc`` XLA:CPU expands into both of its
-  branches plus an exponential: the ``erf`` form computes the same function (within 1.5e-6 of torch either
-  way) 2.5x faster forward and 1.5x forward + backward on the CPU (`benchmarks/profile_step.py`)."""
-  return x * 0.5 * (1.0 + jax.lax.erf(x * _SQRT1_2))
 
 
 class PatchEmbed(nn.Module):
@@ -116,12 +108,7 @@ class Attention(nn.Module):
       q, k, v = qkv[0], qkv[1], qkv[2]
       # softmax(q k^T / sqrt(head_dim)) v, as timm (and eq. 7 with d = head dim). Head-major batched
       # matmuls: on XLA:CPU about 1.4x faster than jax.nn.dot_product_attention's [B, T, H, Dh] layout.
-      scores = jnp.matmul(q * (d // h) ** -0.5, jnp.swapaxes(k, -1, -2))
-      if self.dtype is not None and scores.dtype != jnp.float32:  # a 16-bit softmax loses the small weights
-        attn = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(scores.dtype)
-      else:
-        attn = jax.nn.softmax(scores, axis=-1)
-      out = jnp.matmul(attn, v).transpose(0, 2, 1, 3)
+      out = softmax_attention(q * (d // h) ** -0.5, k, v).transpose(0, 2, 1, 3)
     return nn.Dense(d, dtype=self.dtype, name="proj")(out.reshape(b, t, d))
 
   def _fused(self, qkv: Array) -> Optional[Array]:
@@ -163,10 +150,10 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x: Array, return_norm1: bool = False):
     """The block's output; with ``return_norm1`` also its norm1 output (``[B, T, D]`` each)."""
-    h = nn.LayerNorm(epsilon=LN_EPS, dtype=self.dtype, name="norm1")(x)  # flax: statistics in float32
+    h = LayerNorm(epsilon=LN_EPS, dtype=self.dtype, name="norm1")(x)  # flax: statistics in float32
     ss = self.recalibrator(x, h) if self.recalibrator is not None else None
     x = x + Attention(self.dim, self.num_heads, self.dtype, self.attention, name="attn")(h, ss)
-    out = x + Mlp(self.mlp_dim, self.dtype, name="mlp")(nn.LayerNorm(epsilon=LN_EPS, dtype=self.dtype,
+    out = x + Mlp(self.mlp_dim, self.dtype, name="mlp")(LayerNorm(epsilon=LN_EPS, dtype=self.dtype,
                                                                      name="norm2")(x))
     return (out, h) if return_norm1 else out
 
@@ -217,7 +204,7 @@ class VisionTransformer(nn.Module):
         recals[i] = self.recal[j % n]
     self.blocks = [Block(c.embed_dim, c.num_heads, c.mlp_dim, recalibrator=recals[i], dtype=self.dtype,
                          attention=self.attention) for i in range(c.depth)]
-    self.norm = nn.LayerNorm(epsilon=LN_EPS)  # float32 with the head: the logits feed entropies and filters
+    self.norm = LayerNorm(epsilon=LN_EPS)  # float32 with the head: the logits feed entropies and filters
     if c.num_classes > 0:
       self.head = nn.Dense(c.num_classes)
 

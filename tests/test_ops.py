@@ -1,0 +1,101 @@
+"""The hand-written VJPs of `pcsr_jax.models.ops` against autodiff of the plain formulas they replace.
+
+Forward values are compared exactly where the op computes the same expression (LayerNorm, GELU: same
+machine, same run); gradients and the attention (normalized after ``A V``) within float32 rounding.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pcsr_jax.models import ops
+
+
+def _rand(key, *shapes, scale=1.0):
+  keys = jax.random.split(jax.random.key(key), len(shapes))
+  return [scale * jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, shapes)]
+
+
+def _rel(a, b) -> float:
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def test_layer_norm_matches_flax_values_and_gradients():
+  x, dy, scale = _rand(0, (3, 9, 48), (3, 9, 48), (48,))
+  x = 3.0 * x + 1.5  # an offset mean, as the residual stream has
+  params = {"params": {"scale": scale, "bias": jnp.linspace(-1, 1, 48)}}
+  ref, mine = nn.LayerNorm(epsilon=1e-6), ops.LayerNorm(epsilon=1e-6)
+  assert jax.tree.structure(ref.init(jax.random.key(1), x)) == jax.tree.structure(mine.init(jax.random.key(1), x))
+  y_ref, y = jax.jit(ref.apply)(params, x), jax.jit(mine.apply)(params, x)
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))  # the same expression: the same floats
+
+  def grads(m):
+    return jax.jit(jax.grad(lambda p, x: (m.apply(p, x) * dy).sum(), argnums=(0, 1)))(params, x)
+
+  (gp_ref, gx_ref), (gp, gx) = grads(ref), grads(mine)
+  assert _rel(gx, gx_ref) < 1e-5
+  for name in ("scale", "bias"):
+    assert _rel(gp["params"][name], gp_ref["params"][name]) < 1e-5, name
+
+
+def test_layer_norm_output_dtype_and_float32_statistics():
+  x = (_rand(2, (2, 5, 32))[0] * 4 + 100.0).astype(jnp.bfloat16)  # a large mean: bf16 statistics would lose it
+  p = {"params": {"scale": jnp.ones(32), "bias": jnp.zeros(32)}}
+  y = ops.LayerNorm(epsilon=1e-6, dtype=jnp.bfloat16).apply(p, x)
+  y_ref = nn.LayerNorm(epsilon=1e-6, dtype=jnp.bfloat16).apply(p, x)
+  assert y.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_ref, np.float32))
+  g = jax.grad(lambda x: ops.LayerNorm(epsilon=1e-6, dtype=jnp.bfloat16).apply(p, x).astype(jnp.float32).sum())(x)
+  assert g.dtype == jnp.bfloat16 and np.isfinite(np.asarray(g, np.float32)).all()
+
+
+def test_gelu_is_exact_gelu_with_its_derivative():
+  z = jnp.linspace(-9.0, 9.0, 2001)
+  exact = jax.nn.gelu(z, approximate=False)
+  assert float(jnp.abs(ops.gelu(z) - exact).max()) < 2e-6
+  d = jax.vmap(jax.grad(ops.gelu))(z)
+  d_ref = jax.vmap(jax.grad(lambda t: jax.nn.gelu(t, approximate=False)))(z)
+  assert float(jnp.abs(d - d_ref).max()) < 1e-6
+  # and the closed form itself: d/dx [x Phi(x)] = Phi(x) + x phi(x)
+  phi = jnp.exp(-0.5 * z * z) / jnp.sqrt(2 * jnp.pi)
+  cdf = 0.5 * (1 + jax.lax.erf(z / jnp.sqrt(2.0)))
+  assert float(jnp.abs(d - (cdf + z * phi)).max()) < 1e-6
+
+
+def _attention_ref(q, k, v):
+  return jnp.matmul(jax.nn.softmax(jnp.matmul(q, jnp.swapaxes(k, -1, -2)), axis=-1), v)
+
+
+@pytest.mark.parametrize("tokens", [7, 50])
+def test_softmax_attention_matches_autodiff(tokens):
+  q, k, v, do = _rand(3, *[(2, 3, tokens, 16)] * 4)
+  q = q * 16**-0.5 * 4  # peaked attention rows
+  out, vjp = jax.vjp(jax.jit(ops.softmax_attention), q, k, v)
+  out_ref, vjp_ref = jax.vjp(_attention_ref, q, k, v)
+  assert _rel(out, out_ref) < 1e-5
+  for g, g_ref in zip(vjp(do), vjp_ref(do)):
+    assert _rel(g, g_ref) < 1e-5
+
+
+def test_softmax_attention_large_scores_stay_finite():
+  q, k, v, do = _rand(4, *[(1, 2, 9, 8)] * 4)
+  q = q * 1e3  # scores of order 1e3: exp overflows without the max subtraction
+  out, vjp = jax.vjp(ops.softmax_attention, q, k, v)
+  grads = vjp(do)
+  assert np.isfinite(np.asarray(out)).all() and all(np.isfinite(np.asarray(g)).all() for g in grads)
+  assert _rel(out, _attention_ref(q, k, v)) < 1e-5
+
+
+def test_softmax_attention_bf16_close_to_float32():
+  q, k, v, do = _rand(5, *[(2, 2, 20, 16)] * 4)
+  q = q * 0.25
+  args16 = [t.astype(jnp.bfloat16) for t in (q, k, v)]
+  out16, vjp16 = jax.vjp(ops.softmax_attention, *args16)
+  assert out16.dtype == jnp.bfloat16
+  ref, vjp_ref = jax.vjp(_attention_ref, *[t.astype(jnp.float32) for t in args16])
+  assert _rel(out16, ref) < 2e-2  # bf16 products, float32 softmax
+  for g, g_ref in zip(vjp16(do.astype(jnp.bfloat16)), vjp_ref(do)):
+    assert g.dtype == jnp.bfloat16 and _rel(g, g_ref) < 5e-2
