@@ -9,6 +9,9 @@ scale ``head_dim ** -0.5``, and a position embedding whose slot 0 belongs to
 the class token (concatenate the class token first, then add). The head reads
 token 0.
 
+LayerNorm, GELU and the softmax attention are `pcsr_jax.models.ops`'s: the same forward values
+(the attention up to float32 ulps) with hand-written backward passes, for speed on XLA:CPU.
+
 Mixed precision. ``dtype`` (default None: float32 throughout, the paper-number
 path) is the compute dtype of the backbone, e.g. ``jnp.bfloat16``: patch
 embedding, blocks and their LayerNorm outputs compute in it, while the params
@@ -150,7 +153,7 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x: Array, return_norm1: bool = False):
     """The block's output; with ``return_norm1`` also its norm1 output (``[B, T, D]`` each)."""
-    h = LayerNorm(epsilon=LN_EPS, dtype=self.dtype, name="norm1")(x)  # flax: statistics in float32
+    h = LayerNorm(epsilon=LN_EPS, dtype=self.dtype, name="norm1")(x)  # statistics in float32, as flax
     ss = self.recalibrator(x, h) if self.recalibrator is not None else None
     x = x + Attention(self.dim, self.num_heads, self.dtype, self.attention, name="attn")(h, ss)
     out = x + Mlp(self.mlp_dim, self.dtype, name="mlp")(LayerNorm(epsilon=LN_EPS, dtype=self.dtype,
