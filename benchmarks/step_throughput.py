@@ -132,8 +132,9 @@ def time_jax(method_name: str, model, params, x, *, steps: int, warmup: int, dty
   fell_back = any("using 'matmul'" in str(w.message) for w in caught)
   dev = jax.devices()[0]
   mem = dev.memory_stats() if dev.platform == "gpu" else None
-  kind = dev.device_kind if jax.device_count() == 1 else f"{jax.device_count()} x {dev.device_kind}"
-  return dict(framework="jax", device=kind, devices=jax.device_count(), images_per_s=b / dt, step_ms=1e3 * dt, compile_s=first_s,
+  n = jax.device_count()
+  return dict(framework="jax", device=dev.device_kind if n == 1 else f"{n} x {dev.device_kind}", devices=n,
+              images_per_s=b / dt, step_ms=1e3 * dt, compile_s=first_s,
               dtype=dtype, attention="matmul" if fell_back else attention,
               fp32_matmul=fp32_matmul if dtype == "float32" else None,
               peak_mb=mem["peak_bytes_in_use"] / 2**20 if mem else peak_rss_mb(), peak_kind="device" if mem else "rss",

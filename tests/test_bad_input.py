@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -120,8 +121,6 @@ def test_flag_values(world, tmp_path):
                        ("--source-data tfds:x:y:z: expected tfds", ["--source-data", "tfds:x:y:z"]),
                        ("--cpu-devices: expected a positive number of devices, got 0", ["--cpu-devices", "0"])):
     fails(match, world, tmp_path / "out", *flags)
-  import jax
-
   jax.devices()  # the backend runs in this process: too late to split the CPU
   fails("--cpu-devices: too late", world, tmp_path / "out", "--cpu-devices", "2")
 

@@ -10,8 +10,8 @@ Why: XLA differentiates a forward op by op, and on the CPU the result costs memo
 activations that a closed form does not need. For LayerNorm it materializes ``rsqrt(var) * scale``
 broadcast to ``[B, T, D]`` for its reductions, twice per LayerNorm; for GELU it stores
 ``0.5 * (1 + erf(x / sqrt 2))`` as a second ``[B, T, 4D]`` activation; for the softmax it divides every
-score and computes ``exp`` twice. Per ViT-S/16 TENT step (batch 16, 2 cores; `benchmarks/profile_step.py`):
-the LayerNorms' glue 127 ms -> ~45, GELU 155 -> 85, attention ~450 -> ~340.
+score and computes ``exp`` twice. Per ViT-S/16 TENT step (batch 16, 2 cores; `benchmarks/profile_step.py
+--method tent`): attention 482 -> 327 ms, "other" (LayerNorm, residuals, layout copies) 432 -> 200 ms.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ gelu.defvjp(_gelu_fwd, _gelu_bwd)
 
 
 def _stats(x: Array) -> tuple[Array, Array]:
-  """Mean and ``rsqrt(var + eps)`` over the last axis, as flax's LayerNorm (fast variance, clipped at 0)."""
+  """Mean and variance over the last axis, as flax's LayerNorm (fast variance, clipped at 0)."""
   mu = x.mean(-1, keepdims=True)
   var = jnp.maximum(0.0, (x * x).mean(-1, keepdims=True) - mu * mu)
   return mu, var
@@ -66,8 +66,7 @@ def _stats(x: Array) -> tuple[Array, Array]:
 def layer_norm(x: Array, scale: Array, bias: Array, eps: float) -> Array:
   """LayerNorm over the last axis of float32 ``x``, computed as flax's ``nn.LayerNorm`` computes it:
   ``(x - mean) * (rsqrt(var + eps) * scale) + bias`` with ``var = E[x^2] - E[x]^2``."""
-  mu, var = _stats(x)
-  return (x - mu) * (jax.lax.rsqrt(var + eps) * scale) + bias
+  return _ln_fwd(x, scale, bias, eps)[0]
 
 
 def _ln_fwd(x, scale, bias, eps):
@@ -106,7 +105,6 @@ class LayerNorm(nn.Module):
     bias = self.param("bias", nn.initializers.zeros, (d,), jnp.float32)
     y = layer_norm(x.astype(jnp.float32), scale, bias, self.epsilon)
     return y if self.dtype is None else y.astype(self.dtype)
-
 
 
 @jax.custom_vjp
