@@ -137,7 +137,8 @@ class Adapter:
     self.num_traces += 1
     if images.dtype == jnp.uint8:
       images = normalize_uint8(images, self._table, valid)
-    prep = dataclasses.replace(self.prep, consts=consts)  # the traced statistics, not baked-in constants
+    # The traced statistics (not baked-in constants), and the mesh for a method's gathered rows (`shard_rows`).
+    prep = dataclasses.replace(self.prep, consts=consts, mesh=self.mesh)
     state, logits, metrics = self.method.update(prep, frozen, state, images, valid)
     perturbed = metrics.pop("perturbed_logits", None)
     if self.eval_order == "perturbed":

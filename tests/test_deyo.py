@@ -39,6 +39,29 @@ def test_deyo_adapts_sars_layernorms_and_checks_hyperparameters():
   assert flat_paths(deyo.init_state().trainable) == flat_paths(sar.init_state().trainable)
   with pytest.raises(UserError, match="patch_len"):
     engine.Adapter(methods.get("deyo", patch_len=5), model, params, batch_size=4)  # 32 is not a multiple of 5
+  with pytest.raises(UserError, match="deyo shuffle_chunks"):
+    methods.get("deyo", shuffle_chunks=0)
+
+
+def test_shuffled_forward_chunks_give_the_whole_batch_step():
+  """x' of filter 1's rows in chunks (4 of 2 rows, 3 of 3 with a padded last one) gives the step of one chunk
+  of the whole batch: same PLPD filter counts, same loss, same params; filter 1 keeps some rows, not all."""
+  model, params = tiny_model()
+  x = batches(1, 8, seed=2)[0]
+  runs = {}
+  for c in (1, 4, 3):
+    ad = engine.Adapter(methods.get("deyo", skip_blocks=(), ent_factor=0.6, plpd_threshold=-0.05,
+                                    shuffle_chunks=c), model, params, batch_size=8)
+    state, logits, m = ad.step(ad.init_state(), x)
+    runs[c] = (state, np.asarray(logits), {k: float(v) for k, v in m.items()})
+  ref, ref_logits, ref_m = runs[1]
+  assert 0 < ref_m["num_reliable"] < 8 and 0 < ref_m["num_reliable2"], ref_m
+  for c, (state, logits, m) in runs.items():
+    np.testing.assert_array_equal(logits, ref_logits)
+    assert m["num_reliable2"] == ref_m["num_reliable2"], (c, m)
+    np.testing.assert_allclose(m["loss"], ref_m["loss"], rtol=1e-6, err_msg=str(c))
+    for a, b in zip(jax.tree.leaves(state.trainable), jax.tree.leaves(ref.trainable)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=str(c))
 
 
 def test_nothing_kept_moves_neither_params_nor_momentum():

@@ -130,7 +130,8 @@ from tiny import batches, tiny_model
 engine.use_cpu_devices(4)  # the harness's --cpu-devices 4
 assert len(jax.devices()) == 4, jax.devices()
 out = {}
-for name in ["sar", "pcsr"]:  # SAR's two passes and masks; PCSR's recalibrators and similarity term
+for name in ["sar", "pcsr", "roid"]:  # SAR's two passes and masks; PCSR's recalibrators and similarity
+  # term; ROID's kept rows gathered into chunks (`kept_row_chunks`) and sharded over the devices
   model, params = tiny_model()
   res = []
   for devs in (jax.devices()[:1], jax.devices()):

@@ -238,6 +238,26 @@ def test_cmf_filter_matches_numpy(q_eff, regime):
 
 
 @pytest.mark.slow
+def test_consistency_chunks_give_the_full_batch_step():
+  """The consistency pass over the kept rows in chunks (4 chunks of 2 rows, 3 of 3 with a padded last one, 8
+  of 1) gives the step of one pass over the whole batch (1 chunk); each keeps some rows and drops others."""
+  x = batches(1, B, seed=3)[0]
+  views = draw_views(jax.random.key(4), x)
+  runs = {c: adapt_once(tiny_adapter(methods.get("roid", lr=0.05, consistency_chunks=c)), x, views)
+          for c in (1, 4, 3, 8)}
+  ref, ref_logits, ref_metrics = runs[1]
+  assert 0 < int(ref_metrics["num_kept"]) < B
+  for c, (state, logits, metrics) in runs.items():
+    np.testing.assert_array_equal(logits, ref_logits)  # the loss forward is the same program
+    np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-6, err_msg=str(c))
+    for a, b in zip(jax.tree.leaves(state.trainable), jax.tree.leaves(ref.trainable)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=str(c))  # float sums in another order
+  moved = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(
+      jax.tree.leaves(ref.trainable), jax.tree.leaves(tiny_adapter(methods.get("roid")).init_state().trainable)))
+  assert moved > 1e-4  # the step moved the params, so equal params say something
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["roid", "cmf"])
 def test_ragged_batch_equals_the_unpadded_step(name):
   """The engine's padded ragged batch gives the same params, EMA and logits as the step on the 5 rows alone
@@ -274,7 +294,8 @@ def test_reported_logits_are_the_prior_corrected_loss_forward():
 
 @pytest.mark.parametrize("name, kw", [("roid", dict(lr=0.0)), ("roid", dict(momentum=0.0)),
                                       ("roid", dict(temperature=0.0)), ("roid", dict(std=(0.5, 0.5))),
-                                      ("roid", dict(momentum_src=1.5)), ("cmf", dict(q=-1.0)),
+                                      ("roid", dict(momentum_src=1.5)), ("roid", dict(consistency_chunks=0)),
+                                      ("cmf", dict(q=-1.0)),
                                       ("cmf", dict(alpha=-0.1))])
 def test_bad_hyperparameters(name, kw):
   with pytest.raises(UserError, match=name):

@@ -84,6 +84,37 @@ class Prepared:
   # moments, FOA's feature mean/std). The engine places them on the device and passes them to the compiled
   # step as an argument (inside `Method.update` they are traced values, never constants baked into the program).
   consts: Any = None
+  # The engine's device mesh (a 1-D ``'data'`` mesh), set while it traces the step; None outside the engine.
+  # A method that gathers a dynamic subset of the batch (`kept_row_chunks`) shards the subset over it.
+  mesh: Optional[jax.sharding.Mesh] = None
+
+
+def kept_row_chunks(prep: Prepared, keep: Array, chunks: int) -> tuple[Array, Array, Array, int]:
+  """The rows where ``keep`` is True, in batch order, cut into chunks of one fixed size: ``(order, count,
+  num_chunks, size)``.
+
+  ``order`` lists the batch's row indices, kept rows first (padded to a whole number of chunks), ``count``
+  is how many are kept and chunk ``i`` is ``order[i * size:(i + 1) * size]`` (its positions ``>= count`` are
+  not kept). ``size`` is ``ceil(B / chunks)`` rounded up to a multiple of the mesh's devices, so a chunk
+  shards evenly (`shard_rows`). A method whose official code runs a pass on the kept samples only (ROID's
+  ``imgs_test[~mask]``) loops over the ``num_chunks`` chunks that hold them: it pays for what it keeps,
+  within one chunk, and compiles one pass of one shape.
+  """
+  b = keep.shape[0]
+  n_dev = prep.mesh.devices.size if prep.mesh is not None else 1
+  size = -(-max(1, -(-b // max(1, chunks))) // n_dev) * n_dev
+  total = -(-b // size) * size
+  order = jnp.argsort(~keep, stable=True).astype(jnp.int32)
+  order = jnp.concatenate([order, jnp.zeros((total - b,), jnp.int32)])
+  count = jnp.sum(keep.astype(jnp.int32))
+  return order, count, (count + size - 1) // size, size
+
+
+def shard_rows(prep: Prepared, x: Array) -> Array:
+  """``x`` with its leading (batch) axis sharded over the engine's mesh; unchanged outside the engine."""
+  if prep.mesh is None:
+    return x
+  return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(prep.mesh, jax.sharding.PartitionSpec("data")))
 
 
 def split(params: Params, is_trainable: Callable[[Path], bool]) -> tuple[Params, Params]:

@@ -17,10 +17,10 @@
   would still move the params by the momentum).
 * The reported prediction is the first forward's (before the update).
 
-Differences in form, not in result: the official code forwards x' only for filter 1's samples; here x' of
-the whole (padded) batch is forwarded and masked, which gives the same numbers (a ViT treats samples
-independently). The official code resizes an image whose width is not a multiple of ``patch_len`` to one
-and back (bilinear); that resize is not reproduced: such an image size is refused (224 and the test
+Differences in form, not in result: x' of filter 1's samples only is forwarded, as in the official code,
+gathered into chunks of one fixed size (`pcsr_jax.methods.base.kept_row_chunks`; a ViT treats samples
+independently, so the numbers are the same). The official code resizes an image whose width is not a
+multiple of ``patch_len`` to one and back (bilinear); that resize is not reproduced: such an image size is refused (224 and the test
 models' 32 are multiples of 4). The patch permutations come from the state's key, split at every step, so
 a run is reproducible and resumes exactly; the official code draws them from torch's global RNG.
 """
@@ -35,7 +35,8 @@ import jax.numpy as jnp
 
 from pcsr_jax import losses
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import Method, Prepared, is_block_layernorm_param, sar_code_lr, sgd
+from pcsr_jax.methods.base import (Method, Prepared, is_block_layernorm_param, kept_row_chunks, sar_code_lr, sgd,
+                                   shard_rows)
 
 Array = jax.Array
 
@@ -61,17 +62,20 @@ def shuffle_patches(images: Array, perms: Array, patch_len: int = 4) -> Array:
 @dataclasses.dataclass(frozen=True)
 class DeYO(Method):
   name: ClassVar[str] = "deyo"
-  cost: ClassVar[str] = "2F+1B"
+  cost: ClassVar[str] = "1F (+1F+1B on the kept rows)"
   lr: Optional[float] = None  # None: 0.001 * B / 64, doubled at B = 1
   momentum: float = 0.9
   ent_factor: float = 0.5  # filter 1: entropy < ent_factor * ln C (margin_factor = 0.4 is the reweighting E0)
   plpd_threshold: float = 0.2
   patch_len: int = 4
   skip_blocks: tuple[int, ...] = (9, 10, 11)
+  shuffle_chunks: int = 4  # x' is forwarded in chunks of ceil(B / shuffle_chunks) rows (filter 1's rows only)
 
   def __post_init__(self):
     if self.patch_len < 1:
       raise UserError(f"deyo patch_len: expected a positive integer, got {self.patch_len}")
+    if not (isinstance(self.shuffle_chunks, int) and self.shuffle_chunks >= 1):
+      raise UserError(f"deyo shuffle_chunks: expected a positive integer, got {self.shuffle_chunks}")
 
   def trainable(self, path) -> bool:
     return is_block_layernorm_param(path, self.skip_blocks)
@@ -99,14 +103,21 @@ class DeYO(Method):
     prob = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     yhat = jnp.argmax(prob, axis=-1)[:, None]
 
-    def plpd_of_shuffled(_):
-      logits_prime, _ = self.forward(prep, frozen, state.trainable, shuffle_patches(images, perms, self.patch_len))
-      prob_prime = jax.nn.softmax(logits_prime.astype(jnp.float32), axis=-1)
-      return (jnp.take_along_axis(prob, yhat, -1) - jnp.take_along_axis(prob_prime, yhat, -1))[:, 0]
+    # As the official code, x' of filter 1's samples only goes through the model (`kept_row_chunks`): in
+    # chunks of ceil(B / shuffle_chunks) rows, none when filter 1 keeps nothing (the official returns there).
+    order, count, num_chunks, size = kept_row_chunks(prep, mask1, self.shuffle_chunks)
 
-    # The official code returns after the entropy filter when it keeps nothing (no shuffled forward), and
-    # after the PLPD filter when that keeps nothing (no backward, no optimizer.step()).
-    plpd = jax.lax.cond(jnp.any(mask1), plpd_of_shuffled, lambda _: jnp.zeros_like(ent), None)
+    def plpd_chunk(i, plpd):
+      rows = jax.lax.dynamic_slice(order, (i * size,), (size,))
+      kept = i * size + jnp.arange(size) < count  # positions past ``count``: padding or filtered-out rows
+      shuffled = shard_rows(prep, shuffle_patches(images[rows], perms[rows], self.patch_len))
+      logits_prime, _ = self.forward(prep, frozen, state.trainable, shuffled)
+      prob_prime = jax.nn.softmax(logits_prime.astype(jnp.float32), axis=-1)
+      gap = (jnp.take_along_axis(prob[rows], yhat[rows], -1) - jnp.take_along_axis(prob_prime, yhat[rows], -1))[:, 0]
+      return plpd.at[rows].add(jnp.where(kept, gap, 0.0))  # each kept row once; padding adds 0
+
+    plpd = jax.lax.fori_loop(0, num_chunks, plpd_chunk, jnp.zeros_like(ent))
+    # The official returns after the PLPD filter when it keeps nothing (no backward, no optimizer.step()).
     mask2 = mask1 & (plpd > self.plpd_threshold)
     coeff = jnp.exp(-(ent - e0)) + jnp.exp(plpd)
     loss, dlogits = jax.value_and_grad(lambda lg: losses.masked_mean(coeff * losses.entropy(lg), mask2))(logits)
