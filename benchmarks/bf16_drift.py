@@ -1,6 +1,7 @@
-"""How far bfloat16 moves each method's logits and accuracies from float32, on the built-in benchmark.
+"""How far bfloat16 moves each method's logits and accuracies from float32: built-in benchmark, parity fixture.
 
     python benchmarks/bf16_drift.py --methods all --images 256
+    python benchmarks/bf16_drift.py --arch vit_base_patch16_224 --methods all --batches 2 --batch-size 8
 
 Two measurements per method, the same stream for both dtypes (``--dtype bfloat16``: backbone in bf16, params,
 LayerNorm statistics, softmax, losses and optimizer state in float32; `pcsr_jax.models.vit`):
@@ -14,6 +15,13 @@ LayerNorm statistics, softmax, losses and optimizer state in float32; `pcsr_jax.
 * **accuracy**: the harness runs the built-in benchmark (``--images`` per corruption, all 15 corruptions,
   seed 2022) in both dtypes; the average accuracy of each and their difference, and the share of the
   predictions that agree.
+
+``--arch``: the logits on the timm parity tests' fixture instead, at full size: a timm model of that
+architecture with every parameter randomized (`pcsr_jax.timm_parity.randomize_`, as
+``tests/test_parity_timm.py``), converted
+(`timm_to_flax`), on random normal images, each method with its official hyperparameters (no labels, so
+no accuracy: the top-1 agreement stands for it). It also prints the source model's distance to timm's own
+float32 logits in both dtypes, so bf16's error reads against the conversion's.
 """
 
 from __future__ import annotations
@@ -52,19 +60,43 @@ def stream_batches(n_batches: int, batch_size: int):
   return name, [(x[i:i + batch_size], labels[i:i + batch_size]) for i in range(0, len(x), batch_size)]
 
 
-def logit_drift(method_name: str, batches) -> list[tuple[float, float]]:
+def builtin_model():
+  """``(model, params, meta, method_args)``: the built-in checkpoint and its benchmark's hyperparameters."""
+  from pcsr_jax import checkpoint
+  from pcsr_jax.experiments import builtin
+
+  model, params, meta = checkpoint.load(builtin.CHECKPOINT)
+  return model, params, meta, builtin.METHOD_ARGS
+
+
+def fixture(arch: str, n_batches: int, batch_size: int, seed: int = 0):
+  """``(model, params, meta, batches, timm model)``: the parity fixture of ``arch`` and random normal batches."""
+  from pcsr_jax import timm_parity
+  from pcsr_jax.models import create, get_config
+  from pcsr_jax.weights.timm_map import preprocessing_meta, timm_to_flax
+
+  cfg = get_config(arch)
+  tm = timm_parity.timm_model(cfg)
+  timm_parity.randomize_(tm, seed=seed)  # as tests/test_parity_timm.py's fixtures
+  sd = {k: v.numpy() for k, v in tm.state_dict().items()}
+  x = np.random.default_rng(seed).standard_normal((n_batches * batch_size, cfg.img_size, cfg.img_size,
+                                                   cfg.in_chans)).astype(np.float32)
+  labels = np.zeros(len(x), np.int32)  # unused: no accuracy on the fixture
+  batches = [(x[i:i + batch_size], labels[i:i + batch_size]) for i in range(0, len(x), batch_size)]
+  return create(cfg), timm_to_flax(sd, cfg), preprocessing_meta(cfg), batches, tm
+
+
+def logit_drift(method_name: str, batches, model, params, meta, method_args) -> list[tuple[float, float]]:
   """Per batch: (max |logits_bf16 - logits_fp32| / max |logits_fp32|, top-1 agreement), each dtype adapting
   from its own state."""
   import jax
 
-  from pcsr_jax import checkpoint, engine, methods
-  from pcsr_jax.experiments import builtin
+  from pcsr_jax import engine, methods
   from pcsr_jax.harness import _with_preprocessing
   from pcsr_jax.methods.base import split
   from pcsr_jax.models.vit import compute_dtype
 
-  model, params, meta = checkpoint.load(builtin.CHECKPOINT)
-  args = builtin.METHOD_ARGS.get(method_name, {})
+  args = method_args.get(method_name, {})
   logits = {}
   for dtype in DTYPES:
     m = model.clone(dtype=compute_dtype(dtype))
@@ -85,6 +117,21 @@ def logit_drift(method_name: str, batches) -> list[tuple[float, float]]:
   for a, b in zip(logits["float32"], logits["bfloat16"]):
     rows.append((float(np.abs(b - a).max() / np.abs(a).max()), float((a.argmax(-1) == b.argmax(-1)).mean())))
   return rows
+
+
+def timm_distance(model, params, tm, x) -> dict[str, float]:
+  """Per dtype: the source model's max |logits - timm's float32 logits| / max |timm's|, on ``x``."""
+  import jax
+
+  from pcsr_jax import timm_parity
+  from pcsr_jax.models.vit import compute_dtype
+
+  ref = timm_parity.timm_logits(tm, x)
+  out = {}
+  for dtype in DTYPES:
+    lg = np.asarray(jax.jit(model.clone(dtype=compute_dtype(dtype)).apply)({"params": params}, x), np.float32)
+    out[dtype] = float(np.abs(lg - ref).max() / np.abs(ref).max())
+  return out
 
 
 def accuracy_drift(methods_: Sequence[str], images: int, workdir: str) -> dict:
@@ -122,6 +169,8 @@ def parser() -> ArgumentParser:
   p.add_argument("--batch-size", type=int, default=64)
   p.add_argument("--images", type=int, default=256, help="images per corruption of the accuracy comparison "
                  "(0: skip it)")
+  p.add_argument("--arch", help="logits on the parity fixture of this architecture (e.g. vit_base_patch16_224; "
+                 "needs torch and timm) instead of the built-in benchmark")
   p.add_argument("--json", help="also write the results to this JSON file")
   return p
 
@@ -134,12 +183,26 @@ def main(argv: Sequence[str] | None = None) -> int:
   chosen = builtin.all_methods() if a.methods == "all" else parse_methods(a.methods)
   if a.batches < 1 or a.batch_size < 1 or a.images < 0:
     raise UserError("--batches and --batch-size must be positive, --images non-negative")
-  corruption, batches = stream_batches(a.batches, a.batch_size)
   res = {}
-  print(f"bf16 vs float32, built-in checkpoint; logits over {a.batches} batches of {a.batch_size} ({corruption})",
-        flush=True)
+  if a.arch:
+    from pcsr_jax.models import get_config
+
+    get_config(a.arch)  # an unknown name: the one-line error before torch loads
+    model, params, meta, batches, tm = fixture(a.arch, a.batches, a.batch_size)
+    method_args, a.images = {}, 0
+    dist = timm_distance(model, params, tm, batches[0][0])
+    res["timm_distance"] = dist
+    print(f"bf16 vs float32, parity fixture {a.arch} (every parameter randomized), official hyperparameters; "
+          f"logits over {a.batches} batches of {a.batch_size} random images", flush=True)
+    print("  source vs timm float32, max |dlogit| / max |logit|: " + ", ".join(f"{d} {v:.1e}" for d, v in dist.items()),
+          flush=True)
+  else:
+    model, params, meta, method_args = builtin_model()
+    corruption, batches = stream_batches(a.batches, a.batch_size)
+    print(f"bf16 vs float32, built-in checkpoint; logits over {a.batches} batches of {a.batch_size} ({corruption})",
+          flush=True)
   for m in chosen:
-    rows = logit_drift(m, batches)
+    rows = logit_drift(m, batches, model, params, meta, method_args)
     res[m] = dict(logits=rows)
     print(f"  {m:12s} max |dlogit| / max |logit| per batch: " + " ".join(f"{r[0]:.4f}" for r in rows)
           + "   top-1 agreement: " + " ".join(f"{100 * r[1]:.0f}%" for r in rows), flush=True)

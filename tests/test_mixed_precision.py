@@ -95,3 +95,24 @@ def test_fused_attention_kernels():
     _apply(model.clone(attention="flash"), params, x)
   with pytest.raises(UserError, match="--dtype"):
     compute_dtype("int8")
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+def test_bf16_drift_on_the_parity_fixture(tmp_path, capsys):
+  """`benchmarks/bf16_drift.py --arch`: the randomized timm fixture converts to float32 logits that match timm's,
+  bf16 moves them measurably but within bf16's range, and the per-method rows are written."""
+  import json
+
+  from benchmarks import bf16_drift
+
+  out = tmp_path / "drift.json"
+  assert bf16_drift.main(["--arch", "vit_tiny_patch16_224", "--methods", "source,tent", "--batches", "2",
+                          "--batch-size", "2", "--json", str(out)]) == 0
+  res = json.loads(out.read_text())["results"]
+  dist = res["timm_distance"]
+  assert dist["float32"] < 1e-4 < dist["bfloat16"] < 0.1, dist
+  for m in ("source", "tent"):
+    rows = res[m]["logits"]
+    assert len(rows) == 2 and all(1e-4 < d < 0.1 and 0.0 <= a <= 1.0 for d, a in rows), (m, rows)
+  assert "parity fixture vit_tiny_patch16_224" in capsys.readouterr().out

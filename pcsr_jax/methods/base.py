@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 from typing import Any, Callable, ClassVar, Iterator, Mapping, Optional
 
 import flax
@@ -102,8 +103,8 @@ def kept_row_chunks(prep: Prepared, keep: Array, chunks: int) -> tuple[Array, Ar
   """
   b = keep.shape[0]
   n_dev = prep.mesh.devices.size if prep.mesh is not None else 1
-  size = -(-max(1, -(-b // max(1, chunks))) // n_dev) * n_dev
-  total = -(-b // size) * size
+  size = math.ceil(math.ceil(b / chunks) / n_dev) * n_dev
+  total = math.ceil(b / size) * size
   order = jnp.argsort(~keep, stable=True).astype(jnp.int32)
   order = jnp.concatenate([order, jnp.zeros((total - b,), jnp.int32)])
   count = jnp.sum(keep.astype(jnp.int32))
@@ -114,7 +115,8 @@ def shard_rows(prep: Prepared, x: Array) -> Array:
   """``x`` with its leading (batch) axis sharded over the engine's mesh; unchanged outside the engine."""
   if prep.mesh is None:
     return x
-  return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(prep.mesh, jax.sharding.PartitionSpec("data")))
+  batch = jax.sharding.NamedSharding(prep.mesh, jax.sharding.PartitionSpec("data"))
+  return jax.lax.with_sharding_constraint(x, batch)
 
 
 def split(params: Params, is_trainable: Callable[[Path], bool]) -> tuple[Params, Params]:

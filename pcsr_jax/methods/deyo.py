@@ -20,8 +20,8 @@
 Differences in form, not in result: x' of filter 1's samples only is forwarded, as in the official code,
 gathered into chunks of one fixed size (`pcsr_jax.methods.base.kept_row_chunks`; a ViT treats samples
 independently, so the numbers are the same). The official code resizes an image whose width is not a
-multiple of ``patch_len`` to one and back (bilinear); that resize is not reproduced: such an image size is refused (224 and the test
-models' 32 are multiples of 4). The patch permutations come from the state's key, split at every step, so
+multiple of ``patch_len`` to one and back (bilinear); that resize is not reproduced: such an image size is
+refused (224 and the test models' 32 are multiples of 4). The patch permutations come from the state's key, split at every step, so
 a run is reproducible and resumes exactly; the official code draws them from torch's global RNG.
 """
 
