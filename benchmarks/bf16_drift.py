@@ -18,10 +18,10 @@ LayerNorm statistics, softmax, losses and optimizer state in float32; `pcsr_jax.
 
 ``--arch``: the logits on the timm parity tests' fixture instead, at full size: a timm model of that
 architecture with every parameter randomized (`pcsr_jax.timm_parity.randomize_`, as
-``tests/test_parity_timm.py``), converted
-(`timm_to_flax`), on random normal images, each method with its official hyperparameters (no labels, so
-no accuracy: the top-1 agreement stands for it). It also prints the source model's distance to timm's own
-float32 logits in both dtypes, so bf16's error reads against the conversion's.
+``tests/test_parity_timm.py``), converted (`timm_to_flax`), on random normal images, each method with its
+official hyperparameters (no labels, so no accuracy: the top-1 agreement stands for it). It also prints
+the source model's distance to timm's own float32 logits in both dtypes, so bf16's error reads against the
+conversion's.
 """
 
 from __future__ import annotations
@@ -76,9 +76,7 @@ def fixture(arch: str, n_batches: int, batch_size: int, seed: int = 0):
   from pcsr_jax.weights.timm_map import preprocessing_meta, timm_to_flax
 
   cfg = get_config(arch)
-  tm = timm_parity.timm_model(cfg)
-  timm_parity.randomize_(tm, seed=seed)  # as tests/test_parity_timm.py's fixtures
-  sd = {k: v.numpy() for k, v in tm.state_dict().items()}
+  tm, sd = timm_parity.random_model(cfg, seed=seed, scale=0.05)  # randomize_'s scale, as tests/test_parity_timm.py
   x = np.random.default_rng(seed).standard_normal((n_batches * batch_size, cfg.img_size, cfg.img_size,
                                                    cfg.in_chans)).astype(np.float32)
   labels = np.zeros(len(x), np.int32)  # unused: no accuracy on the fixture

@@ -23,7 +23,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
-from typing import Any, Callable, ClassVar, Iterator, Mapping, Optional
+from typing import Any, Callable, ClassVar, Iterator, Mapping, NamedTuple, Optional
 
 import flax
 import flax.linen as nn
@@ -90,16 +90,30 @@ class Prepared:
   mesh: Optional[jax.sharding.Mesh] = None
 
 
-def kept_row_chunks(prep: Prepared, keep: Array, chunks: int) -> tuple[Array, Array, Array, int]:
-  """The rows where ``keep`` is True, in batch order, cut into chunks of one fixed size: ``(order, count,
-  num_chunks, size)``.
+class KeptRows(NamedTuple):
+  """The kept rows of a batch in chunks of one fixed ``size`` (`kept_row_chunks`): ``order`` lists the batch's
+  row indices, kept rows first in batch order (padded to a whole number of chunks), ``count`` is how many are
+  kept and ``num_chunks`` how many chunks hold them."""
 
-  ``order`` lists the batch's row indices, kept rows first (padded to a whole number of chunks), ``count``
-  is how many are kept and chunk ``i`` is ``order[i * size:(i + 1) * size]`` (its positions ``>= count`` are
-  not kept). ``size`` is ``ceil(B / chunks)`` rounded up to a multiple of the mesh's devices, so a chunk
-  shards evenly (`shard_rows`). A method whose official code runs a pass on the kept samples only (ROID's
-  ``imgs_test[~mask]``) loops over the ``num_chunks`` chunks that hold them: it pays for what it keeps,
-  within one chunk, and compiles one pass of one shape.
+  order: Array
+  count: Array
+  num_chunks: Array
+  size: int
+
+  def chunk(self, i: Array) -> tuple[Array, Array]:
+    """``(rows, kept)`` of chunk ``i``: its ``size`` row indices and which of them are kept rows (the
+    positions past ``count`` are dropped rows or padding, and may repeat a row)."""
+    rows = jax.lax.dynamic_slice(self.order, (i * self.size,), (self.size,))
+    return rows, i * self.size + jnp.arange(self.size) < self.count
+
+
+def kept_row_chunks(prep: Prepared, keep: Array, chunks: int) -> KeptRows:
+  """The rows where ``keep`` is True, cut into chunks of ``ceil(B / chunks)`` rows rounded up to a multiple
+  of the mesh's devices, so a chunk shards evenly (`shard_rows`).
+
+  A method whose official code runs a pass on the kept samples only (ROID's ``imgs_test[~mask]``) loops
+  over chunks ``0 .. num_chunks - 1`` (`KeptRows.chunk`): it pays for what it keeps, within one chunk, and
+  compiles one pass of one shape.
   """
   b = keep.shape[0]
   n_dev = prep.mesh.devices.size if prep.mesh is not None else 1
@@ -108,7 +122,7 @@ def kept_row_chunks(prep: Prepared, keep: Array, chunks: int) -> tuple[Array, Ar
   order = jnp.argsort(~keep, stable=True).astype(jnp.int32)
   order = jnp.concatenate([order, jnp.zeros((total - b,), jnp.int32)])
   count = jnp.sum(keep.astype(jnp.int32))
-  return order, count, (count + size - 1) // size, size
+  return KeptRows(order, count, (count + size - 1) // size, size)
 
 
 def shard_rows(prep: Prepared, x: Array) -> Array:

@@ -21,8 +21,9 @@ Differences in form, not in result: x' of filter 1's samples only is forwarded, 
 gathered into chunks of one fixed size (`pcsr_jax.methods.base.kept_row_chunks`; a ViT treats samples
 independently, so the numbers are the same). The official code resizes an image whose width is not a
 multiple of ``patch_len`` to one and back (bilinear); that resize is not reproduced: such an image size is
-refused (224 and the test models' 32 are multiples of 4). The patch permutations come from the state's key, split at every step, so
-a run is reproducible and resumes exactly; the official code draws them from torch's global RNG.
+refused (224 and the test models' 32 are multiples of 4). The patch permutations come from the state's key,
+split at every step, so a run is reproducible and resumes exactly; the official code draws them from
+torch's global RNG.
 """
 
 from __future__ import annotations
@@ -105,18 +106,17 @@ class DeYO(Method):
 
     # As the official code, x' of filter 1's samples only goes through the model (`kept_row_chunks`): in
     # chunks of ceil(B / shuffle_chunks) rows, none when filter 1 keeps nothing (the official returns there).
-    order, count, num_chunks, size = kept_row_chunks(prep, mask1, self.shuffle_chunks)
+    kept_rows = kept_row_chunks(prep, mask1, self.shuffle_chunks)
 
     def plpd_chunk(i, plpd):
-      rows = jax.lax.dynamic_slice(order, (i * size,), (size,))
-      kept = i * size + jnp.arange(size) < count  # positions past ``count``: padding or filtered-out rows
+      rows, kept = kept_rows.chunk(i)
       shuffled = shard_rows(prep, shuffle_patches(images[rows], perms[rows], self.patch_len))
       logits_prime, _ = self.forward(prep, frozen, state.trainable, shuffled)
       prob_prime = jax.nn.softmax(logits_prime.astype(jnp.float32), axis=-1)
       gap = (jnp.take_along_axis(prob[rows], yhat[rows], -1) - jnp.take_along_axis(prob_prime, yhat[rows], -1))[:, 0]
       return plpd.at[rows].add(jnp.where(kept, gap, 0.0))  # each kept row once; padding adds 0
 
-    plpd = jax.lax.fori_loop(0, num_chunks, plpd_chunk, jnp.zeros_like(ent))
+    plpd = jax.lax.fori_loop(0, kept_rows.num_chunks, plpd_chunk, jnp.zeros_like(ent))
     # The official returns after the PLPD filter when it keeps nothing (no backward, no optimizer.step()).
     mask2 = mask1 & (plpd > self.plpd_threshold)
     coeff = jnp.exp(-(ent - e0)) + jnp.exp(plpd)

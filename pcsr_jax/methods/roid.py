@@ -229,12 +229,11 @@ class ROIDBase(Method, abc.ABC):
     chunks of ``ceil(B / consistency_chunks)`` rows (`kept_row_chunks`), as many chunks as hold kept rows,
     so a batch that keeps half its samples pays for about half a batch, with one compiled pass.
     """
-    order, count, num_chunks, size = kept_row_chunks(prep, keep, self.consistency_chunks)
+    kept_rows = kept_row_chunks(prep, keep, self.consistency_chunks)
 
     def chunk(i, carry):
       loss, grads, dlogits = carry
-      rows = jax.lax.dynamic_slice(order, (i * size,), (size,))
-      kept = i * size + jnp.arange(size) < count  # the positions past ``count`` are padding or dropped rows
+      rows, kept = kept_rows.chunk(i)
 
       def sce(t, target):
         aug_logits, _ = self.forward(prep, frozen, t, shard_rows(prep, views[rows]))
@@ -244,7 +243,7 @@ class ROIDBase(Method, abc.ABC):
       return loss + value, jax.tree.map(jnp.add, grads, g), dlogits.at[rows].add(d)
 
     init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, trainable), jnp.zeros_like(logits))
-    return jax.lax.fori_loop(0, num_chunks, chunk, init)
+    return jax.lax.fori_loop(0, kept_rows.num_chunks, chunk, init)
 
 
 @dataclasses.dataclass(frozen=True)
