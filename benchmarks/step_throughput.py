@@ -46,20 +46,29 @@ def torch_fp32_matmul(policy: str) -> None:
   torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = policy == "tf32"
 
 
-def _time(step, sync, steps: int, warmup: int) -> tuple[float, float]:
-  """(first-step seconds, seconds per step over ``steps`` timed steps after ``warmup``), syncing every step."""
+def _time(step, sync, steps: int, warmup: int, max_s: float | None = None) -> tuple[float, float, int]:
+  """(first-step seconds, seconds per step over the timed steps, how many were timed), syncing every step:
+  ``warmup`` steps after the first, then ``steps`` timed ones. ``max_s``: the warm-up and the timing each stop
+  once they have run that long (at least one timed step), so that one slow method cannot eat a report's budget."""
   t0 = time.perf_counter()
   step()
   sync()
   first_s = time.perf_counter() - t0
-  for _ in range(warmup):
-    step()
-  sync()
   t0 = time.perf_counter()
-  for _ in range(steps):
+  for _ in range(warmup):
+    if max_s is not None and time.perf_counter() - t0 > max_s:
+      break
     step()
     sync()
-  return first_s, (time.perf_counter() - t0) / steps
+  t0 = time.perf_counter()
+  n = 0
+  while n < steps:
+    step()
+    sync()
+    n += 1
+    if max_s is not None and time.perf_counter() - t0 > max_s:
+      break
+  return first_s, (time.perf_counter() - t0) / n, n
 
 
 def jax_inputs(arch: str, batch_size: int, checkpoint: str | None = None):
@@ -128,7 +137,7 @@ def time_jax(method_name: str, model, params, x, *, steps: int, warmup: int, dty
   with precision, warnings.catch_warnings(record=True) as caught:  # the fused attention's fallback warns
     warnings.simplefilter("always")
     step, sync, _, _, _ = jax_step(method_name, model, params, x, dtype=dtype, attention=attention)
-    first_s, dt = _time(step, sync, steps, warmup)
+    first_s, dt, _ = _time(step, sync, steps, warmup)
   fell_back = any("using 'matmul'" in str(w.message) for w in caught)
   dev = jax.devices()[0]
   mem = dev.memory_stats() if dev.platform == "gpu" else None
@@ -185,19 +194,21 @@ def torch_step(method_name: str, model, x, *, dtype: str = "float32"):
   return step, torch.cuda.synchronize if x.is_cuda else (lambda: None)
 
 
-def time_torch(method_name: str, model, x, *, steps: int, warmup: int, dtype: str = "float32") -> dict:
-  """Images/s of the PyTorch reference's step (`torch_step`)."""
+def time_torch(method_name: str, model, x, *, steps: int, warmup: int, dtype: str = "float32",
+               max_s: float | None = None) -> dict:
+  """Images/s of the PyTorch reference's step (`torch_step`); ``max_s`` as in `_time`."""
   import torch
 
   cuda = x.is_cuda
   step, sync = torch_step(method_name, model, x, dtype=dtype)
   if cuda:
     torch.cuda.reset_peak_memory_stats()
-  first_s, dt = _time(step, sync, steps, warmup)
+  first_s, dt, n = _time(step, sync, steps, warmup, max_s)
   peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else peak_rss_mb()
   b = x.shape[0]
   return dict(framework="torch", device=torch.cuda.get_device_name() if cuda else "cpu", images_per_s=b / dt,
-              step_ms=1e3 * dt, compile_s=first_s, dtype=dtype, peak_mb=peak, peak_kind="device" if cuda else "rss",
+              step_ms=1e3 * dt, timed_steps=n, compile_s=first_s, dtype=dtype, peak_mb=peak,
+              peak_kind="device" if cuda else "rss",
               fp32_matmul=("tf32" if torch.backends.cuda.matmul.allow_tf32 else "highest") if cuda and
               dtype == "float32" else None, version=torch.__version__, threads=torch.get_num_threads())
 

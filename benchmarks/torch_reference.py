@@ -257,10 +257,10 @@ class TorchAdapter:
     names = {id(p): n for n, p in self.model.named_parameters()}
     out = {}
     if self.method.startswith("pcsr"):
-      out = {f"recal_{i}.{k}": v.detach().numpy().copy() for i, rc in enumerate(self.recals)
+      out = {f"recal_{i}.{k}": v.detach().cpu().numpy().copy() for i, rc in enumerate(self.recals)
              for k, v in rc.state_dict().items() if not k.startswith("similarity")}
     for p in getattr(self, "norms", []) if self.method.startswith("pcsr") else self.params:
-      out[names[id(p)]] = p.detach().numpy().copy()
+      out[names[id(p)]] = p.detach().cpu().numpy().copy()
     return out
 
 

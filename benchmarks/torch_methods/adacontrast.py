@@ -44,10 +44,11 @@ class Reference:
     dim, classes = model.head.in_features, model.head.out_features
     if queue is None:
       queue, queue_labels = torch.randn(dim, queue_size).numpy().T, torch.randint(0, classes, (queue_size,)).numpy()
-    self.mem_feat = F.normalize(torch.from_numpy(np.array(queue, np.float32)).T, dim=0)  # [D, K]
-    self.mem_labels = torch.from_numpy(np.array(queue_labels)).long()
+    dev = next(model.parameters()).device  # queue and banks live with the model (a GPU run keeps all there)
+    self.mem_feat = F.normalize(torch.from_numpy(np.array(queue, np.float32)).T, dim=0).to(dev)  # [D, K]
+    self.mem_labels = torch.from_numpy(np.array(queue_labels)).long().to(dev)
     self.queue_ptr = 0
-    self.banks = {"features": torch.tensor([]), "probs": torch.tensor([]), "ptr": 0}
+    self.banks = {"features": torch.tensor([], device=dev), "probs": torch.tensor([], device=dev), "ptr": 0}
     self.first_x_samples = 0
     self.mean, self.std = mean, std
     self.view_source = view_source
@@ -59,14 +60,15 @@ class Reference:
     self.weak = transforms.RandomHorizontalFlip()
 
   def draw_views(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    mean, std = torch.tensor(self.mean)[:, None, None], torch.tensor(self.std)[:, None, None]
+    mean = torch.tensor(self.mean, device=x.device)[:, None, None]
+    std = torch.tensor(self.std, device=x.device)[:, None, None]
     x01 = x * std + mean
     view = lambda t: torch.stack([(t(img) - mean) / std for img in x01])
     return view(self.weak), view(self.strong), view(self.strong)
 
   @torch.no_grad()
   def update_memory(self, keys: torch.Tensor, labels: torch.Tensor) -> None:
-    idx = torch.arange(self.queue_ptr, self.queue_ptr + len(keys)) % self.K
+    idx = torch.arange(self.queue_ptr, self.queue_ptr + len(keys), device=keys.device) % self.K
     self.mem_feat[:, idx] = keys.T
     self.mem_labels[idx] = labels
     self.queue_ptr = (self.queue_ptr + len(keys)) % self.K
@@ -82,7 +84,7 @@ class Reference:
         f[:over], p[:over] = f[self.K:].clone(), p[self.K:].clone()
       self.banks["features"], self.banks["probs"] = f[: self.K], p[: self.K]
     else:
-      idx = torch.arange(start, start + len(feats)) % self.K
+      idx = torch.arange(start, start + len(feats), device=feats.device) % self.K
       self.banks["features"][idx], self.banks["probs"][idx] = feats, probs
     self.banks["ptr"] = (start + len(feats)) % self.K
 
@@ -110,8 +112,8 @@ class Reference:
     self.update_memory(k, labels)
     mask = torch.ones_like(logits_ins, dtype=torch.bool)
     mask[:, 1:] = labels.reshape(-1, 1) != self.mem_labels
-    logits_ins = torch.where(mask, logits_ins, torch.tensor([float("-inf")]))
-    loss_ins = F.cross_entropy(logits_ins, torch.zeros(len(x), dtype=torch.long))
+    logits_ins = torch.where(mask, logits_ins, torch.tensor([float("-inf")], device=x.device))
+    loss_ins = F.cross_entropy(logits_ins, torch.zeros(len(x), dtype=torch.long, device=x.device))
     loss_cls = F.cross_entropy(logits_q, labels)
     p_mean = F.softmax(logits_q, dim=1).mean(0)
     loss_div = torch.sum(p_mean * torch.log(p_mean + 1e-8))
@@ -124,4 +126,4 @@ class Reference:
       return self.model(x)
 
   def adapted_state(self) -> dict[str, np.ndarray]:
-    return {k: v.detach().numpy().copy() for k, v in self.model.named_parameters()}
+    return {k: v.detach().cpu().numpy().copy() for k, v in self.model.named_parameters()}

@@ -98,9 +98,10 @@ class Reference:
     self.last_adapted = None
 
   def draw_views(self, x: torch.Tensor) -> torch.Tensor:
+    # AugMix works on PIL images on the host, as the official code's does; the views go back to x's device.
     mean, std = torch.tensor(self.mean)[:, None, None], torch.tensor(self.std)[:, None, None]
-    img = transforms.ToPILImage()((x * std + mean).clamp(0, 1))
-    return torch.stack([augmix_view(img, x.shape[-1], self.mean, self.std) for _ in range(self.views)])
+    img = transforms.ToPILImage()((x.detach().cpu() * std + mean).clamp(0, 1))
+    return torch.stack([augmix_view(img, x.shape[-1], self.mean, self.std) for _ in range(self.views)]).to(x.device)
 
   def step(self, x: torch.Tensor) -> torch.Tensor:
     out = []
@@ -114,7 +115,7 @@ class Reference:
       optimizer.step()
       with torch.no_grad():
         out.append(self.model(image[None])[0])
-      self.last_adapted = {k: v.detach().numpy().copy() for k, v in self.model.named_parameters()}
+      self.last_adapted = {k: v.detach().cpu().numpy().copy() for k, v in self.model.named_parameters()}
     self.model.load_state_dict(self.source)
     return torch.stack(out)
 

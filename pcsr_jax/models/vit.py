@@ -23,7 +23,8 @@ config (and so checkpoints and their conversion) does not depend on it.
 Attention kernels. ``attention='matmul'`` (the default) is the head-major
 batched-matmul softmax attention below. ``'xla'`` and ``'cudnn'`` call
 ``jax.nn.dot_product_attention`` with that implementation; cuDNN's fused
-(flash) attention needs a CUDA GPU and a 16-bit ``dtype``, and where it is not
+(flash) attention needs a CUDA GPU and a 16-bit ``dtype`` (an odd token count,
+ViT's 197, is padded by one masked token: `fused_attention`), and where it is not
 available at trace time the model warns once and falls back to ``'matmul'``.
 
 Scale-shift recalibration. `Attention` takes an optional per-sample
@@ -120,11 +121,30 @@ class Attention(nn.Module):
       raise UserError(f"attention: expected one of {', '.join(ATTENTION_IMPLS)}, got '{self.implementation}'")
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     try:  # the cuDNN kernel checks backend, dtype and shapes while tracing
-      return jax.nn.dot_product_attention(q, k, v, implementation=self.implementation)
+      return fused_attention(q, k, v, self.implementation, even_length=self.implementation == "cudnn")
     except Exception as e:  # noqa: BLE001 -- any refusal means "use the matmul path"
       _warn_once(f"attention='{self.implementation}' unavailable here ({type(e).__name__}: "
                  f"{str(e).splitlines()[0][:120] if str(e) else ''}); using 'matmul'")
       return None
+
+
+def fused_attention(q: Array, k: Array, v: Array, implementation: str, even_length: bool = False) -> Array:
+  """``jax.nn.dot_product_attention`` of ``[B, T, H, Dh]`` q, k, v with ``implementation``.
+
+  ``even_length``: an odd T gets one zero token appended and masked out of the keys (``key_value_seq_lengths``),
+  and the extra query row is dropped, so the result is the unpadded attention's. cuDNN's flash attention needs
+  it: jax 0.10-0.11 refuses an odd sequence length for the backward pass (the placeholder it passes for "no
+  bias" counts as a bias there), which made every training step with ViT's 197 tokens fall back to the matmul
+  attention on an H200 ("Unsupported sequence length Q 197, KV 197").
+  """
+  t = q.shape[1]
+  if not (even_length and t % 2):
+    return jax.nn.dot_product_attention(q, k, v, implementation=implementation)
+  pad = ((0, 0), (0, 1), (0, 0), (0, 0))
+  q, k, v = (jnp.pad(a, pad) for a in (q, k, v))
+  lengths = jnp.full((q.shape[0],), t, jnp.int32)
+  out = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths, implementation=implementation)
+  return out[:, :t]
 
 
 class Mlp(nn.Module):

@@ -1,0 +1,42 @@
+"""The benchmark scripts' timing loop and the GPU report's job order (no framework needed)."""
+
+import time
+
+from benchmarks import gpu_report
+from benchmarks.step_throughput import _time
+
+
+def _counting_step(seconds: float):
+  calls = []
+
+  def step():
+    calls.append(time.perf_counter())
+    time.sleep(seconds)
+
+  return step, calls
+
+
+def test_time_runs_first_warmup_and_timed_steps_without_a_cap():
+  step, calls = _counting_step(0.001)
+  first_s, per_step, n = _time(step, lambda: None, steps=5, warmup=3)
+  assert n == 5 and len(calls) == 1 + 3 + 5
+  assert first_s >= 0.001 and per_step >= 0.001
+
+
+def test_time_cap_stops_warmup_and_timing_but_keeps_one_timed_step():
+  step, calls = _counting_step(0.05)
+  _, per_step, n = _time(step, lambda: None, steps=100, warmup=100, max_s=0.12)
+  # warm-up: steps start while under 0.12 s (3 of them at 0.05 s); timing: stops once past 0.12 s (3 steps)
+  assert 1 <= n <= 4, n
+  assert len(calls) <= 1 + 4 + 4
+  assert per_step >= 0.05
+  step, calls = _counting_step(0.05)
+  _, _, n = _time(step, lambda: None, steps=10, warmup=0, max_s=0.0)
+  assert n == 1 and len(calls) == 2  # a cap already passed still times one step
+
+
+def test_report_runs_the_slowest_methods_last_and_keeps_the_rest_in_order():
+  names = ["source", "memo", "tent", "cotta", "pcsr", "foa", "adacontrast", "roid"]
+  order = gpu_report.run_order(names)
+  assert order[:4] == ["source", "tent", "pcsr", "roid"]
+  assert order[4:] == ["foa", "cotta", "adacontrast", "memo"]
