@@ -120,12 +120,18 @@ class Attention(nn.Module):
     if self.implementation not in ATTENTION_IMPLS:
       raise UserError(f"attention: expected one of {', '.join(ATTENTION_IMPLS)}, got '{self.implementation}'")
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    try:  # the cuDNN kernel checks backend, dtype and shapes while tracing
-      return fused_attention(q, k, v, self.implementation, even_length=self.implementation == "cudnn")
-    except Exception as e:  # noqa: BLE001 -- any refusal means "use the matmul path"
-      _warn_once(f"attention='{self.implementation}' unavailable here ({type(e).__name__}: "
-                 f"{str(e).splitlines()[0][:120] if str(e) else ''}); using 'matmul'")
-      return None
+    # The cuDNN kernel checks backend, dtype and shapes while tracing, the backward pass's conditions too when
+    # the call is differentiated. A forward-only pass keeps the unpadded kernel (its speed was measured); an
+    # odd length that only the backward refuses is padded (`fused_attention`); any other refusal -> matmul.
+    tries = [False] + ([True] if self.implementation == "cudnn" and q.shape[1] % 2 else [])
+    for even_length in tries:
+      try:
+        return fused_attention(q, k, v, self.implementation, even_length=even_length)
+      except Exception as e:  # noqa: BLE001 -- a refusal: the next try, then the matmul path
+        err = e
+    _warn_once(f"attention='{self.implementation}' unavailable here ({type(err).__name__}: "
+               f"{str(err).splitlines()[0][:120] if str(err) else ''}); using 'matmul'")
+    return None
 
 
 def fused_attention(q: Array, k: Array, v: Array, implementation: str, even_length: bool = False) -> Array:
