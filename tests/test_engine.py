@@ -130,8 +130,9 @@ from tiny import batches, tiny_model
 engine.use_cpu_devices(4)  # the harness's --cpu-devices 4
 assert len(jax.devices()) == 4, jax.devices()
 out = {}
-for name in ["sar", "pcsr", "roid"]:  # SAR's two passes and masks; PCSR's recalibrators and similarity
-  # term; ROID's kept rows gathered into chunks (`kept_row_chunks`) and sharded over the devices
+for name in ["sar", "pcsr", "roid", "memo"]:  # SAR's two passes and masks; PCSR's recalibrators and
+  # similarity term; ROID's kept rows gathered into chunks (`kept_row_chunks`) and sharded over the devices;
+  # MEMO's views of the image in flight sharded over the devices
   model, params = tiny_model()
   res = []
   for devs in (jax.devices()[:1], jax.devices()):

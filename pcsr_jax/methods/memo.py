@@ -45,7 +45,7 @@ import optax
 
 from pcsr_jax import augment
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import AdaptState, Method, Prepared
+from pcsr_jax.methods.base import AdaptState, Method, Prepared, shard_rows
 
 Array = jax.Array
 
@@ -97,6 +97,11 @@ class MEMO(Method):
   def adapted_params(self, prep: Prepared, frozen: Any, state: AdaptState, views: Array) -> tuple[Any, Array]:
     """One image's step on its ``[V, H, W, C]`` views from the source params and the fresh optimizer state
     (``state.opt_state``, which MEMO never advances): ``(adapted trainable params, loss)``."""
+
+    # The views of the image in flight are the only batch axis the loop has: shard them over the devices (an
+    # image's 64 views, 32 per device on two), or every device would run every view.
+    if prep.mesh is not None and views.shape[0] % prep.mesh.size == 0:
+      views = shard_rows(prep, views)
 
     def loss_fn(trainable):
       logits, _ = self.forward(prep, frozen, trainable, views)
