@@ -126,8 +126,9 @@ def kept_row_chunks(prep: Prepared, keep: Array, chunks: int) -> KeptRows:
 
 
 def shard_rows(prep: Prepared, x: Array) -> Array:
-  """``x`` with its leading (batch) axis sharded over the engine's mesh; unchanged outside the engine."""
-  if prep.mesh is None:
+  """``x`` with its leading (batch) axis sharded over the engine's mesh; unchanged outside the engine, or
+  where that axis does not split evenly over the mesh's devices."""
+  if prep.mesh is None or x.shape[0] % prep.mesh.devices.size:
     return x
   batch = jax.sharding.NamedSharding(prep.mesh, jax.sharding.PartitionSpec("data"))
   return jax.lax.with_sharding_constraint(x, batch)

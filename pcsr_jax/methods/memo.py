@@ -100,8 +100,7 @@ class MEMO(Method):
 
     # The views of the image in flight are the only batch axis the loop has: shard them over the devices (an
     # image's 64 views, 32 per device on two), or every device would run every view.
-    if prep.mesh is not None and views.shape[0] % prep.mesh.size == 0:
-      views = shard_rows(prep, views)
+    views = shard_rows(prep, views)
 
     def loss_fn(trainable):
       logits, _ = self.forward(prep, frozen, trainable, views)
