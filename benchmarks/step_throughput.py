@@ -3,8 +3,8 @@
     python benchmarks/step_throughput.py --arch vit_small_patch16_224 --batch-size 16 --method pcsr
 
 Each framework runs in its own subprocess (so peak memory is its own), on the
-same architecture, method, batch size and protocol, random-init weights and
-one random batch kept on the device. After ``--warmup`` steps it times
+same architecture, method, batch size and protocol, the same random weights and
+the same random batch (`shared_inputs`), kept on the device. After ``--warmup`` steps it times
 ``--steps`` steps, waiting for each step's logits (JAX ``block_until_ready``,
 CUDA ``synchronize``). ``--dtype bfloat16`` runs JAX's backbone in bf16
 (float32 params and optimizer state) and PyTorch's step under bf16 autocast.
@@ -71,22 +71,45 @@ def _time(step, sync, steps: int, warmup: int, max_s: float | None = None) -> tu
   return first_s, (time.perf_counter() - t0) / n, n
 
 
-def jax_inputs(arch: str, batch_size: int, checkpoint: str | None = None):
-  """(model, params, images): the float32 model of ``arch`` (random init, or a converted checkpoint's)."""
-  import jax
+def shared_inputs(arch: str, batch_size: int, seed: int = 0, scale: float = 0.05):
+  """``(state_dict, images)``: the weights and the batch both frameworks run, made with numpy alone.
+
+  ``state_dict`` is timm's layout (numpy), randomized as `timm_parity.randomize_` does (LayerNorm scales
+  ``1 + N(0, 0.1^2)``, everything else ``N(0, scale^2)``); ``images`` ``[B, H, W, 3]`` standard normal (the
+  PyTorch side transposes them to NCHW). The same weights and pixels matter beyond fairness: what a method
+  does per step depends on its inputs (ROID's and DeYO's kept rows, EATA's filter, CoTTA's augmentation
+  trigger), so only identical inputs give both frameworks the same work.
+  """
   import numpy as np
 
-  from pcsr_jax.models import create, get_config, init_params
+  from pcsr_jax.models import get_config
+  from pcsr_jax.weights.timm_map import expected_shapes
 
+  cfg = get_config(arch)
+  rng = np.random.default_rng(seed)
+  sd = {}
+  for name, shape in expected_shapes(cfg).items():
+    noise = rng.standard_normal(shape, dtype=np.float32)
+    is_ln_scale = name.endswith(("norm1.weight", "norm2.weight")) or name == "norm.weight"
+    sd[name] = 1.0 + 0.1 * noise if is_ln_scale else scale * noise
+  x = rng.standard_normal((batch_size, cfg.img_size, cfg.img_size, 3), dtype=np.float32)
+  return sd, x
+
+
+def jax_inputs(arch: str, batch_size: int, checkpoint: str | None = None):
+  """(model, params, images): the float32 model of ``arch`` with the `shared_inputs` weights (or a converted
+  checkpoint's) and the `shared_inputs` images."""
+  from pcsr_jax.models import create, get_config
+  from pcsr_jax.weights.timm_map import timm_to_flax
+
+  sd, x = shared_inputs(arch, batch_size)
   if checkpoint:
     from pcsr_jax import checkpoint as ckpt
 
     model, params, _ = ckpt.load(checkpoint)
   else:
     model = create(get_config(arch))
-    params = init_params(model, jax.random.key(0))
-  c = model.config
-  x = np.random.default_rng(0).standard_normal((batch_size, c.img_size, c.img_size, 3)).astype(np.float32)
+    params = timm_to_flax(sd, model.config, "shared_inputs")
   return model, params, x
 
 
@@ -151,7 +174,8 @@ def time_jax(method_name: str, model, params, x, *, steps: int, warmup: int, dty
 
 
 def torch_inputs(arch: str, batch_size: int, state_dict=None):
-  """(model, images) on the GPU if there is one: timm's model of ``arch`` (``state_dict``: numpy arrays)."""
+  """(model, images) on the GPU if there is one: timm's model of ``arch`` with ``state_dict`` (numpy arrays;
+  default the `shared_inputs` weights) and the `shared_inputs` images as NCHW."""
   import numpy as np
   import torch
 
@@ -159,11 +183,9 @@ def torch_inputs(arch: str, batch_size: int, state_dict=None):
   from pcsr_jax.models import get_config
 
   dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-  cfg = get_config(arch)
-  model = timm_parity.timm_model(cfg, state_dict).to(dev)
-  x = torch.from_numpy(np.random.default_rng(0).standard_normal(
-      (batch_size, 3, cfg.img_size, cfg.img_size)).astype(np.float32)).to(dev)
-  return model, x
+  sd, x = shared_inputs(arch, batch_size)
+  model = timm_parity.timm_model(get_config(arch), sd if state_dict is None else state_dict).to(dev)
+  return model, torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2))).to(dev)
 
 
 def torch_step(method_name: str, model, x, *, dtype: str = "float32"):

@@ -1,6 +1,9 @@
-"""The benchmark scripts' timing loop and the GPU report's job order (no framework needed)."""
+"""The benchmark scripts' timing loop, the GPU report's job order and the inputs both frameworks time."""
 
 import time
+
+import numpy as np
+import pytest
 
 from benchmarks import gpu_report
 from benchmarks.step_throughput import _time
@@ -40,3 +43,21 @@ def test_report_runs_the_slowest_methods_last_and_keeps_the_rest_in_order():
   order = gpu_report.run_order(names)
   assert order[:4] == ["source", "tent", "pcsr", "roid"]
   assert order[4:] == ["foa", "cotta", "adacontrast", "memo"]
+
+
+@pytest.mark.torch
+def test_both_frameworks_time_the_same_weights_on_the_same_images():
+  """What a step does can depend on its inputs (ROID's kept rows, EATA's filter), so the throughput
+  comparison hands both frameworks `shared_inputs`: their forwards must agree (float32, BLAS tolerance)."""
+  import torch
+
+  from benchmarks.step_throughput import jax_inputs, torch_inputs
+
+  model, params, x = jax_inputs("vit_tiny_patch32_224", 2)
+  tmodel, tx = torch_inputs("vit_tiny_patch32_224", 2)
+  np.testing.assert_array_equal(tx.numpy(), x.transpose(0, 3, 1, 2))
+  want = model.apply({"params": params}, x)
+  with torch.no_grad():
+    got = tmodel(tx).numpy()
+  assert np.abs(want).max() > 0.1  # the weights' scale gives logits that differ by image
+  np.testing.assert_allclose(got, want, atol=2e-4, rtol=2e-4)
