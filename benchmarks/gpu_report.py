@@ -198,7 +198,8 @@ def worker_e2e(a) -> None:
   out = os.path.join(a.work, f"e2e_{a.dtype}")
   cfg = harness.RunConfig(data=os.path.join(a.work, "data"), checkpoint=os.path.join(a.work, "ckpt"), output=out,
                           methods=tuple(a.jobs.split(",")), corruptions=CORRUPTIONS, seeds=(2022,),
-                          batch_size=a.batch_size, progress=False, dtype=a.dtype, attention=a.attention)
+                          batch_size=a.batch_size, progress=False, dtype=a.dtype, attention=a.attention,
+                          loader=a.e2e_loader)
   t0 = time.perf_counter()
   try:
     harness.run(cfg, log=lambda *m: print(*m, file=sys.stderr, flush=True))
@@ -214,15 +215,17 @@ def worker_e2e(a) -> None:
     emit("RESULT", dict(job=m, steady_images_per_s=steady["num_samples"] / max(steady["seconds"], 1e-9),
                         steady_images=steady["num_samples"], with_compile_images_per_s=tp["images_per_s"],
                         images=tp["images"], decode_images_per_s=res["decode_images_per_s"], dtype=a.dtype,
-                        attention=a.attention, workers=os.cpu_count(), harness_wall_s=wall))
-  # Decode + preprocess alone at a range of thread counts: where the loader stops scaling on this host.
+                        attention=a.attention, workers=os.cpu_count(), loader=a.e2e_loader, harness_wall_s=wall))
+  # Decode + preprocess alone at a range of worker counts, threads and processes: where each stops scaling.
   from pcsr_jax.data import loader, sources, transforms
 
   src = [sources.imagenet_c_source(cfg.data, CORRUPTIONS[0], 5)]
   pre = transforms.Preprocess(224, (0.5,) * 3, (0.5,) * 3, crop_only=True).to_uint8
   counts = sorted({w for w in (1, 2, 4, 8, 16, 32) if w <= (os.cpu_count() or 1)} | {os.cpu_count() or 1})
-  emit("RESULT", dict(job="decode_scaling", **{str(w): loader.decode_throughput(src, pre, n=1024, workers=w)
-                                                for w in counts}))
+  n = min(len(src[0]), 2048)
+  for job, processes in (("decode_scaling", False), ("decode_scaling_processes", True)):
+    emit("RESULT", dict(job=job, **{str(w): loader.decode_throughput(src, pre, n=n, workers=w, processes=processes)
+                                    for w in counts}))
 
 
 CORRUPTIONS = ("gaussian_noise", "fog")
@@ -333,7 +336,7 @@ class Report:
     a = self.a
     return ["--arch", a.arch, "--batch-size", str(a.batch_size), "--steps", str(a.steps), "--warmup", str(a.warmup),
             "--work", a.work, "--fp32-matmul", a.fp32_matmul, "--compile-threads", str(a.compile_threads),
-            "--max-job-s", str(a.max_job_s)]
+            "--max-job-s", str(a.max_job_s), "--e2e-loader", a.e2e_loader]
 
   def phase(self, name: str, seconds: float) -> None:
     self.data["phases"][name] = round(seconds, 1)
@@ -414,11 +417,11 @@ def tables(rep: Report, names: list[str], bf16_attention: str) -> str:
   e2e = res.get("e2e", {})
   if e2e:
     lines += ["", f"## End to end (harness, {len(CORRUPTIONS)} corruptions x {a.e2e_images} generated 224 px JPEGs, "
-              f"bfloat16, {os.cpu_count()} decode threads)", "",
+              f"bfloat16, {os.cpu_count()} decode workers, --loader {a.e2e_loader})", "",
               "| method | harness img/s (steady) | harness img/s (compile included) | bare step img/s | "
               "decode-only img/s | input-bound? |", "|---|---|---|---|---|---|"]
     for m, r in e2e.items():
-      if m == "decode_scaling":
+      if m.startswith("decode_scaling"):
         continue
       if "error" in r:
         lines.append(f"| {m} | failed | | | | |")
@@ -431,10 +434,11 @@ def tables(rep: Report, names: list[str], bf16_attention: str) -> str:
                    f"{f'{bare:.0f}' if bare else '-'} | {r['decode_images_per_s']:.0f} | {bound} |")
     lines += ["", "(steady: the last corruption's images over its step-loop time; input-bound: the harness reaches "
               "less than 90% of the bare step's img/s)"]
-    scaling = {k: v for k, v in e2e.get("decode_scaling", {}).items() if k != "job" and k != "error"}
-    if scaling:
-      lines += ["", "Decode + preprocess alone (the harness's loader, uint8 out), img/s by threads: " +
-                ", ".join(f"{w}: {v:.0f}" for w, v in scaling.items())]
+    for job, what in (("decode_scaling", "threads"), ("decode_scaling_processes", "processes")):
+      scaling = {k: v for k, v in e2e.get(job, {}).items() if k != "job" and k != "error"}
+      if scaling:
+        lines += ["", f"Decode + preprocess alone (the harness's loader, uint8 out), img/s by {what}: " +
+                  ", ".join(f"{w}: {v:.0f}" for w, v in scaling.items())]
   phases = ", ".join(f"{k} {v:.0f} s" for k, v in rep.data["phases"].items())
   lines += ["", f"Phases: {phases}; total {time.monotonic() - rep.t0:.0f} s."]
   return "\n".join(lines) + "\n"
@@ -558,6 +562,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--e2e-images", type=int, default=2560, help="generated JPEGs per corruption (2 corruptions)")
   p.add_argument("--budget-s", type=float, default=390.0, help="wall-clock budget of the whole report")
   p.add_argument("--torch-s", type=float, default=120.0, help="at most this long for the PyTorch phase")
+  p.add_argument("--e2e-loader", default="processes", choices=["threads", "processes"],
+                 help="the harness's --loader in the end-to-end phase (threads stop scaling at the GIL)")
   p.add_argument("--e2e-s", type=float, default=100.0, help="time kept for the end-to-end phase")
   p.add_argument("--reserve-s", type=float, default=200.0, help="time the torch phase leaves for JAX and e2e")
   p.add_argument("--out", default=os.environ.get("OUT"), help="where report.json/.md go (default: $OUT)")

@@ -1,4 +1,4 @@
-"""Decode + preprocess throughput of the input pipeline: uint8 vs float32 output, our thread pool vs grain.
+"""Decode + preprocess throughput of the input pipeline: uint8 vs float32 output, our threads, our processes, grain.
 
     python benchmarks/input_pipeline.py [--images 256] [--workers 1,2] [--repeats 3] [--no-grain]
 
@@ -8,6 +8,8 @@ read with ``tfds.data_source`` (`sources.TFDSSource`). Then, for each path, outp
 it times one full pass (best of ``--repeats``) of
 
 * ``loader``: `pcsr_jax.data.loader.Loader` (the harness's thread pool), batches of 64, in order;
+* ``loader-procs``: the same with ``processes=True`` (the harness's ``--loader processes``; worker start-up
+  included, which the harness pays once per run: "after 1st batch" is its steady rate);
 * ``grain-threads``: ``grain.MapDataset.source(...).map(load).to_iter_dataset(ReadOptions(num_threads=w))
   .batch(64)``;
 * ``grain-procs``: the same with ``.mp_prefetch(MultiprocessingOptions(num_workers=w))`` before the batch
@@ -69,15 +71,18 @@ def make_tfds(folder_source, data_dir: str) -> str | None:
     return None
 
 
-def run_loader(src, fn: Callable, workers: int) -> tuple[np.ndarray, list[str]]:
+def run_loader(src, fn: Callable, workers: int, processes: bool = False) -> tuple[np.ndarray, list[str]]:
   from pcsr_jax.data.loader import Loader
 
-  loader = Loader([src], fn, BATCH, workers=workers)
+  loader = Loader([src], fn, BATCH, workers=workers, processes=processes)
   t0, images, names, first = time.perf_counter(), [], [], None
-  for b in loader.batches(np.zeros(len(src), np.int64), np.arange(len(src))):
-    images.append(b.images)
-    names += b.names
-    first = first or time.perf_counter() - t0
+  try:
+    for b in loader.batches(np.zeros(len(src), np.int64), np.arange(len(src))):
+      images.append(b.images)
+      names += b.names
+      first = first or time.perf_counter() - t0
+  finally:
+    loader.close()
   return np.concatenate(images), names, first
 
 
@@ -209,7 +214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       for out_name, fn in outputs.items():
         ref = None
         for w in workers:
-          runs = {"loader": lambda: run_loader(src, fn, w)}
+          runs = {"loader": lambda: run_loader(src, fn, w),
+                  "loader-procs": lambda: run_loader(src, fn, w, processes=True)}
           if use_grain:
             runs["grain-threads"] = lambda: run_grain(src, fn, w, processes=False)
             runs["grain-procs"] = lambda: run_grain(src, fn, w, processes=True)

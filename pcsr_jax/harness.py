@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from pcsr_jax import checkpoint, distributed, engine, methods, results, source_stats
 from pcsr_jax.progress import Resume, RunProgress, UnitProgress
 from pcsr_jax.data import datasets, imagenet, sources, streams
-from pcsr_jax.data.loader import Batch, Loader, decode_throughput
+from pcsr_jax.data.loader import Batch, Loader
 from pcsr_jax.errors import UserError
 from pcsr_jax.models.vit import ATTENTION_IMPLS, compute_dtype
 
@@ -62,6 +62,7 @@ class RunConfig:
   resume: bool = False
   checkpoint_every: int = 50
   workers: Optional[int] = None
+  loader: str = "threads"  # decode in "threads" or worker "processes" (`pcsr_jax.data.loader`); same results
   imbalance_ratio: float = 500000.0
   label_shift_indices: Optional[str] = None
   tfds_data_dir: Optional[str] = None
@@ -93,6 +94,8 @@ class RunConfig:
       raise UserError(f"--seeds: expected non-negative integers, got {','.join(map(str, self.seeds))}")
     if self.workers is not None and self.workers < 1:
       raise UserError(f"--workers: expected a positive integer, got {self.workers}")
+    if self.loader not in ("threads", "processes"):
+      raise UserError(f"--loader: expected threads or processes, got '{self.loader}'")
     if not (isinstance(self.imbalance_ratio, (int, float)) and math.isfinite(self.imbalance_ratio)
             and self.imbalance_ratio >= 1):
       raise UserError(f"--imbalance-ratio: expected a number >= 1 (1: uniform), got {self.imbalance_ratio}")
@@ -215,11 +218,14 @@ def run(cfg: RunConfig, log=print) -> dict:
   if not distributed.is_main():
     log = lambda *a, **k: None
   setup = _setup(cfg, log)
-  with _Stop() as stop:
-    for seed in cfg.seeds:
-      if not _run_seed(setup, seed, stop, log):
-        log(f"interrupted: progress saved to {setup.resume.path}; rerun with --resume to continue")
-        raise SystemExit(130)
+  try:
+    with _Stop() as stop:
+      for seed in cfg.seeds:
+        if not _run_seed(setup, seed, stop, log):
+          log(f"interrupted: progress saved to {setup.resume.path}; rerun with --resume to continue")
+          raise SystemExit(130)
+  finally:
+    setup.loader.close()  # the decode processes, if any
   return _write_outputs(setup, log)
 
 
@@ -245,7 +251,9 @@ def _setup(cfg: RunConfig, log) -> _Setup:
   preprocess = spec.preprocess(meta)
   srcs = [s for _, s in domains]
   names = [n for n, _ in domains]
-  decode_ips = decode_throughput(srcs, preprocess.to_uint8, n=min(256, len(srcs[0])), workers=cfg.workers)
+  loader = Loader(srcs, preprocess.to_uint8, cfg.batch_size, workers=cfg.workers,  # uint8: normalized on device
+                  processes=cfg.loader == "processes")
+  decode_ips = loader.throughput(min(256, len(srcs[0])))
   log(f"data: {cfg.dataset} from {cfg.data}: {len(domains)} domain(s), {sum(len(s) for s in srcs):,} images; "
       f"decode + preprocess {decode_ips:.0f} img/s")
 
@@ -275,7 +283,6 @@ def _setup(cfg: RunConfig, log) -> _Setup:
     u = progress.unit
     log(f"resuming from {resume.path}: {len(progress.done)} runs done" +
         (f", {u.key} at segment {u.segment} batch {u.batch}" if u else ""))
-  loader = Loader(srcs, preprocess.to_uint8, cfg.batch_size, workers=cfg.workers)  # uint8: normalized on device
   return _Setup(cfg, spec, model, params, num_classes, names, srcs, relabel, loader, resume, progress,
                 config_json, decode_ips, exchange, meta)
 
@@ -401,7 +408,8 @@ def _data_key(srcs: list) -> str:
 
 
 def _config_key(config_json: dict) -> str:
-  keep = {k: v for k, v in config_json.items() if k not in ("resume", "progress", "workers", "checkpoint_every")}
+  keep = {k: v for k, v in config_json.items()
+          if k not in ("resume", "progress", "workers", "loader", "checkpoint_every")}
   return json.dumps(keep, sort_keys=True)
 
 

@@ -183,6 +183,41 @@ def test_sigkill_and_resume_is_bit_identical(world, tmp_path):
       np.testing.assert_array_equal(x[k], y[k], err_msg=f"{f}:{k}")
 
 
+def test_loader_processes_same_results_and_ctrl_c_of_the_process_group_saves_progress(world, tmp_path):
+  """``--loader processes``: Ctrl-C reaches the decode workers too (one process group), yet the run saves its
+  progress at the next batch and exits 130; resumed, it gives the thread loader's predictions, bit for bit."""
+  args = ["--data", str(world / "data"), "--checkpoint", str(world / "ckpt"), "--corruptions", ",".join(CORR),
+          "--methods", "tent", "--seeds", "1", "--batch-size", "2", "--checkpoint-every", "1", "--workers", "2",
+          "--save-predictions", "--no-progress"]
+  full = cli(*args, "--output", str(tmp_path / "full"))
+  assert full.returncode == 0, full.stderr
+  out = tmp_path / "stopped"
+  p = subprocess.Popen([sys.executable, os.path.join(ROOT, "experiments", "imagenet_c.py"), *args, "--loader",
+                        "processes", "--output", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       text=True, start_new_session=True)
+  prog = out / "resume" / "progress.json"
+  deadline = time.time() + 300
+  while time.time() < deadline and p.poll() is None:  # stop in the middle of the first corruption
+    try:
+      if json.loads(prog.read_text()).get("unit", {}).get("batch", 0) >= 2:
+        break
+    except (OSError, ValueError, AttributeError):
+      pass
+    time.sleep(0.02)
+  assert p.poll() is None, "the run ended before the stop point"
+  os.killpg(p.pid, signal.SIGINT)  # as Ctrl-C in a terminal: the harness and every decode worker
+  stdout, stderr = p.communicate(timeout=300)
+  assert p.returncode == 130, stderr
+  assert "interrupted: progress saved" in stdout + stderr
+  resumed = cli(*args, "--loader", "processes", "--output", str(out), "--resume")
+  assert resumed.returncode == 0, resumed.stderr
+  assert "resuming from" in resumed.stdout
+  for f in os.listdir(tmp_path / "full" / "predictions"):
+    x, y = np.load(tmp_path / "full" / "predictions" / f), np.load(out / "predictions" / f)
+    for k in ("file_names", "labels", "predictions"):
+      np.testing.assert_array_equal(x[k], y[k], err_msg=f"{f}:{k}")
+
+
 def test_tfds_path_with_mock_data(world, tmp_path):
   import tensorflow_datasets as tfds
 

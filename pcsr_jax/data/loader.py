@@ -1,22 +1,34 @@
-"""Parallel decoding with prefetch: a thread pool decodes and preprocesses ahead of the step.
+"""Parallel decoding with prefetch: threads or worker processes decode and preprocess ahead of the step.
 
-PIL's decode and resize release the GIL, so threads scale over cores without
-pickling images between processes. ``prefetch`` batches are in flight while the
-accelerator runs the current step, so the step does not wait on decoding unless
-decoding is the bottleneck. An unreadable or truncated image is skipped and
-counted (`Batch.skipped`), and the stream goes on.
+``prefetch`` batches are in flight while the accelerator runs the current step, so the step does not wait on
+decoding unless decoding is the bottleneck. An unreadable or truncated image is skipped and counted
+(`Batch.skipped`), and the stream goes on.
+
+Two backends give the same batches. Threads (the default) share the process: PIL's JPEG decode releases the
+GIL, but the rest of each image's work (PIL's header parsing in Python, the copies into numpy) holds it,
+about half of a 224 px ImageNet-C image's time on this project's CPU, so threads stop scaling after a few
+cores (on a 16-core GPU host they decoded no faster than one core here). ``processes=True`` decodes in
+``workers`` spawned processes that write each batch's rows straight into shared memory, so nothing
+serializes them; they cost a start-up (the sources are sent once per worker) and need picklable sources.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import copy
 import dataclasses
+import multiprocessing
 import os
+import pickle
+import signal
 import time
+from multiprocessing import shared_memory
 from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
+
+from pcsr_jax.errors import UserError
 
 
 @dataclasses.dataclass
@@ -37,14 +49,18 @@ class Loader:
   """Iterates batches of ``items`` (``(source_id, index)`` pairs) in order.
 
   ``preprocess`` maps a loaded image to an HWC array: `Preprocess.to_uint8` (the harness: uint8, normalized
-  on the device by the engine) or a `Preprocess` itself (float32, normalized on the host).
+  on the device by the engine) or a `Preprocess` itself (float32, normalized on the host). ``processes``:
+  decode in ``workers`` processes instead of threads (module doc); they start on first use and stop with
+  `close` (or at exit).
   """
 
   def __init__(self, sources: Sequence, preprocess: Callable, batch_size: int, workers: Optional[int] = None,
-               prefetch: int = 2):
+               prefetch: int = 2, processes: bool = False):
     self.sources, self.preprocess, self.batch_size = sources, preprocess, batch_size
     self.workers = workers or default_workers()
     self.prefetch = max(1, prefetch)
+    self.processes = processes
+    self._pool: Optional[cf.ProcessPoolExecutor] = None
 
   def decode(self, source_id: int, index: int) -> Optional[np.ndarray]:
     """One preprocessed image, or None if it cannot be read."""
@@ -65,33 +81,161 @@ class Loader:
     says which of them came back."""
     n = len(indices)
     lo, hi = rows or (0, self.batch_size)
-    starts = list(range(start_batch * self.batch_size, n, self.batch_size))
+    spans = [(s + lo, min(s + hi, s + self.batch_size, n))
+             for s in range(start_batch * self.batch_size, n, self.batch_size)]
+    items = [list(zip(source_ids[a:b], indices[a:b])) for a, b in spans]
+    if self.processes:
+      # The layout of the shared-memory rows, from the first readable image of the first batch (none: threads).
+      first = next((img for sid, idx in (items[0] if items else []) for img in [self.decode(sid, idx)]
+                    if img is not None), None)
+      if first is not None:
+        yield from self._process_batches(items, lo, first.shape, first.dtype)
+        return
     with cf.ThreadPoolExecutor(self.workers) as pool:
       pending: collections.deque = collections.deque()
-
-      def submit(s):
-        a, b = s + lo, min(s + hi, s + self.batch_size, n)
-        items = list(zip(source_ids[a:b], indices[a:b]))
-        pending.append([pool.submit(self._load, it) for it in items])
-
-      for s in starts[:self.prefetch]:
-        submit(s)
-      for k in range(len(starts)):
-        if k + self.prefetch < len(starts):
-          submit(starts[k + self.prefetch])
+      for batch in items[:self.prefetch]:
+        pending.append([pool.submit(self._load, it) for it in batch])
+      for k in range(len(items)):
+        if k + self.prefetch < len(items):
+          pending.append([pool.submit(self._load, it) for it in items[k + self.prefetch]])
         loaded = [f.result() for f in pending.popleft()]
-        ok = [r for r in loaded if r[0] is not None]
-        shape = (0,) if not ok else ok[0][0].shape
-        yield Batch(images=np.stack([r[0] for r in ok]) if ok else np.zeros((0,) + shape[1:], np.float32),
-                    labels=np.asarray([r[1] for r in ok], np.int32), names=[r[2] for r in ok],
-                    tags=np.asarray([r[3] for r in ok], np.int32), skipped=[r[2] for r in loaded if r[0] is None],
-                    positions=np.asarray([lo + i for i, r in enumerate(loaded) if r[0] is not None], np.int64))
+        ok = [r[0] is not None for r in loaded]
+        shape = next((r[0].shape for r in loaded if r[0] is not None), (0,))
+        images = (np.stack([r[0] for r in loaded if r[0] is not None]) if any(ok)
+                  else np.zeros((0,) + shape[1:], np.float32))
+        yield self._batch(images, [r[1:] for r in loaded], ok, lo)
+
+  def _batch(self, images: np.ndarray, meta: list, ok: list[bool], lo: int) -> Batch:
+    """A `Batch` of the decoded rows ``images`` given every item's ``(label, name, source id)``."""
+    kept = [m for m, good in zip(meta, ok) if good]
+    return Batch(images=images, labels=np.asarray([m[0] for m in kept], np.int32), names=[m[1] for m in kept],
+                 tags=np.asarray([m[2] for m in kept], np.int32),
+                 skipped=[m[1] for m, good in zip(meta, ok) if not good],
+                 positions=np.asarray([lo + i for i, good in enumerate(ok) if good], np.int64))
+
+  def _process_pool(self) -> cf.ProcessPoolExecutor:
+    if self._pool is None:
+      try:
+        payload = pickle.dumps((self.sources, self.preprocess))
+      except Exception as e:
+        raise UserError(f"--loader processes: the data source cannot be sent to worker processes "
+                        f"({type(e).__name__}: {e}); use --loader threads") from None
+      # spawn, not fork: the parent runs JAX's threads, which a forked child would inherit mid-flight.
+      self._pool = cf.ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                          initializer=_worker_init, initargs=(payload,))
+    return self._pool
+
+  def _process_batches(self, items: list, lo: int, shape: tuple, dtype) -> Iterator[Batch]:
+    pool = self._process_pool()
+    rows = max(len(b) for b in items)
+    # Each task decodes a few rows of one batch; enough tasks per batch for every worker, not so many that
+    # the per-task messages cost.
+    chunk = max(1, -(-rows // (2 * self.workers)))
+    layout = ((rows,) + tuple(shape), np.dtype(dtype).str)
+    nbytes = max(1, int(np.prod(layout[0])) * np.dtype(dtype).itemsize)
+    slots = [shared_memory.SharedMemory(create=True, size=nbytes) for _ in range(self.prefetch + 1)]
+    try:
+      pending: collections.deque = collections.deque()
+
+      def submit(k):
+        name = slots[k % len(slots)].name
+        pending.append([pool.submit(_worker_decode, name, layout, j, items[k][j:j + chunk])
+                        for j in range(0, len(items[k]), chunk)])
+
+      for k in range(min(self.prefetch, len(items))):
+        submit(k)
+      for k in range(len(items)):
+        if k + self.prefetch < len(items):
+          submit(k + self.prefetch)  # into the slot the batch before this one used: it was copied out
+        loaded = [r for f in pending.popleft() for r in f.result()]
+        ok = [r[0] for r in loaded]
+        view = np.ndarray(layout[0], dtype, buffer=slots[k % len(slots)].buf)
+        yield self._batch(view[:len(ok)][np.asarray(ok, bool)], [r[1:] for r in loaded], ok, lo)
+    finally:
+      for f in (f for fs in pending for f in fs):
+        f.cancel()
+      for f in (f for fs in pending for f in fs):
+        if not f.cancelled():
+          f.exception()  # a running task still writes into its slot: let it finish before the slot goes
+      for slot in slots:
+        slot.close()
+        slot.unlink()
+
+  def throughput(self, n: int = 256) -> float:
+    """Images/s of decode + preprocess over the first ``n`` items of the first source, in batches of 64 (worker
+    processes are started, and sent the sources, before the clock starts; they stay for the stream)."""
+    items = np.arange(min(n, len(self.sources[0])))
+    if self.processes:
+      list(self._process_pool().map(_worker_ping, range(self.workers)))  # one task per worker starts them all
+    timed = copy.copy(self)  # the same workers
+    timed.batch_size = 64
+    t0 = time.perf_counter()
+    count = sum(len(b.labels) for b in timed.batches(np.zeros_like(items), items))
+    return count / max(time.perf_counter() - t0, 1e-9)
+
+  def close(self) -> None:
+    """Stops the worker processes, if any were started."""
+    if self._pool is not None:
+      self._pool.shutdown(cancel_futures=True)
+      self._pool = None
 
 
-def decode_throughput(sources, preprocess, n: int = 256, workers: Optional[int] = None) -> float:
-  """Images/s of decode + preprocess with ``workers`` threads over the first ``n`` items."""
-  items = [(0, i) for i in range(min(n, len(sources[0])))]
-  loader = Loader(sources, preprocess, batch_size=64, workers=workers)
-  t0 = time.perf_counter()
-  count = sum(len(b.labels) for b in loader.batches(np.array([s for s, _ in items]), np.array([i for _, i in items])))
-  return count / max(time.perf_counter() - t0, 1e-9)
+# Worker-process side of ``processes=True``: the sources and preprocess arrive once, at start-up.
+_WORKER: dict = {}
+
+
+def _worker_init(payload: bytes) -> None:
+  # Ctrl-C and a scheduler's SIGTERM reach the whole process group: the parent saves its progress at the next
+  # batch (`harness._Stop`), which needs its workers alive. A worker ends when the parent closes the pool or dies.
+  for sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, signal.SIG_IGN)
+  _WORKER["sources"], _WORKER["preprocess"] = pickle.loads(payload)
+  _WORKER["slots"] = {}
+
+
+def _attach(name: str) -> shared_memory.SharedMemory:
+  """The parent's shared memory ``name``; the parent alone unlinks it. (Before Python 3.13 attaching also
+  registers it with the resource tracker, which spawned workers share with the parent: a no-op there.)"""
+  try:
+    return shared_memory.SharedMemory(name=name, track=False)
+  except TypeError:
+    return shared_memory.SharedMemory(name=name)
+
+
+def _worker_ping(_: int) -> None:
+  """A no-op task: submitting one per worker starts them all."""
+
+
+def _worker_decode(slot: str, layout: tuple, row0: int, items: list) -> list[tuple]:
+  """Decodes ``items`` into rows ``row0..`` of the shared-memory batch ``slot``: ``(ok, label, name, source)``
+  per item, as `Loader._load` (an image that fails, or comes out in another shape, is skipped)."""
+  shms = _WORKER["slots"]
+  if slot not in shms:
+    if len(shms) >= 8:  # slots of finished `batches` calls: the parent unlinked them
+      for old in list(shms)[:-4]:
+        shms.pop(old).close()
+    shms[slot] = _attach(slot)
+  shape, dtype = layout
+  out = np.ndarray(shape, np.dtype(dtype), buffer=shms[slot].buf)
+  result = []
+  for k, (sid, idx) in enumerate(items):
+    src = _WORKER["sources"][sid]
+    try:
+      img = _WORKER["preprocess"](src.load(int(idx)))
+      ok = img.shape == shape[1:]
+      if ok:
+        out[row0 + k] = img
+    except Exception:  # unreadable / truncated: skipped, as on the thread path
+      ok = False
+    result.append((ok, int(src.labels[idx]), src.names[idx], int(sid)))
+  return result
+
+
+def decode_throughput(sources, preprocess, n: int = 256, workers: Optional[int] = None,
+                      processes: bool = False) -> float:
+  """`Loader.throughput` of a loader of ``sources``, closed afterwards."""
+  loader = Loader(sources, preprocess, batch_size=64, workers=workers, processes=processes)
+  try:
+    return loader.throughput(n)
+  finally:
+    loader.close()

@@ -1,0 +1,102 @@
+"""The loader's two backends, threads and worker processes: the same batches, skips and order."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import harness_fixtures as hf
+from pcsr_jax.data import loader, sources, transforms
+from pcsr_jax.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+  """A 40-image ImageNet-C folder at 32 px with its 7th file truncated (unreadable)."""
+  root = tmp_path_factory.mktemp("loader")
+  hf.make_imagenet_c(str(root), ("fog",), classes=4, per_class=10)
+  src = sources.imagenet_c_source(str(root), "fog", 5)
+  with open(src.paths[6], "r+b") as f:
+    f.truncate(40)
+  return src
+
+
+def _batches(src, processes, start_batch=0, rows=None, preprocess=None, workers=2):
+  pre = preprocess or transforms.Preprocess(32, (0.5,) * 3, (0.5,) * 3, crop_only=True).to_uint8
+  ld = loader.Loader([src, src], pre, batch_size=8, workers=workers, processes=processes)
+  ids = np.array([0] * 20 + [1] * 20)  # two sources, as the harness's corruptions
+  idx = np.concatenate([np.arange(20)[::-1], np.arange(20, 40)])
+  try:
+    return list(ld.batches(ids, idx, start_batch=start_batch, rows=rows))
+  finally:
+    ld.close()
+
+
+def _assert_same(a, b):
+  assert len(a) == len(b) > 0
+  for x, y in zip(a, b):
+    assert x.images.dtype == y.images.dtype and x.images.shape == y.images.shape
+    np.testing.assert_array_equal(x.images, y.images)
+    assert x.names == y.names and x.skipped == y.skipped
+    np.testing.assert_array_equal(x.labels, y.labels)
+    np.testing.assert_array_equal(x.tags, y.tags)
+    np.testing.assert_array_equal(x.positions, y.positions)
+
+
+@pytest.mark.parametrize("start_batch,rows", [(0, None), (1, (3, 7))])
+def test_processes_give_the_threads_batches(folder, start_batch, rows):
+  threads = _batches(folder, False, start_batch, rows)
+  _assert_same(threads, _batches(folder, True, start_batch, rows))
+  # The truncated file sits at stream position 13: batch 1, row 5, inside both selections; counted once.
+  assert [n for b in threads for n in b.skipped] == [folder.names[6]]
+  assert sum(len(b.labels) for b in threads) == (39 if rows is None else 4 * 4 - 1)
+
+
+def test_processes_carry_float32_images_and_reuse_their_workers(folder):
+  pre = transforms.Preprocess(32, (0.5,) * 3, (0.5,) * 3, crop_only=True)  # normalized on the host: float32
+  ld = loader.Loader([folder], pre, batch_size=8, workers=2, processes=True)
+  ids, idx = np.zeros(16, int), np.arange(16)
+  try:
+    first = list(ld.batches(ids, idx))
+    pool = ld._pool
+    second = list(ld.batches(ids, idx))
+    assert ld._pool is pool  # one pool for every stream of the loader
+  finally:
+    ld.close()
+  assert ld._pool is None
+  _assert_same(first, second)
+  assert first[0].images.dtype == np.float32
+  _assert_same(first, list(loader.Loader([folder], pre, batch_size=8, workers=2).batches(ids, idx)))
+
+
+class _Unpicklable:
+  """A source holding a lock, which pickle refuses."""
+
+  def __init__(self, src):
+    self.src, self.labels, self.names = src, src.labels, src.names
+    self.lock = threading.Lock()
+
+  def load(self, i):
+    return self.src.load(i)
+
+
+def test_a_source_that_cannot_reach_the_workers_is_one_clear_error(folder):
+  pre = transforms.Preprocess(32, (0.5,) * 3, (0.5,) * 3, crop_only=True).to_uint8
+  ld = loader.Loader([_Unpicklable(folder)], pre, batch_size=8, workers=2, processes=True)
+  with pytest.raises(UserError, match="--loader processes: the data source cannot be sent"):
+    list(ld.batches(np.zeros(8, int), np.arange(8)))
+
+
+def test_throughput_starts_every_worker_and_the_stream_keeps_them(folder):
+  pre = transforms.Preprocess(32, (0.5,) * 3, (0.5,) * 3, crop_only=True).to_uint8
+  ld = loader.Loader([folder], pre, batch_size=8, workers=2, processes=True)
+  try:
+    assert ld.throughput(40) > 0
+    pool = ld._pool
+    assert pool is not None and len(pool._processes) == 2  # both started before the clock
+    assert sum(len(b.labels) for b in ld.batches(np.zeros(40, int), np.arange(40))) == 39
+    assert ld._pool is pool
+  finally:
+    ld.close()
