@@ -113,7 +113,8 @@ def jax_inputs(arch: str, batch_size: int, checkpoint: str | None = None):
   return model, params, x
 
 
-def jax_step(method_name: str, model, params, x, *, dtype: str = "float32", attention: str = "matmul"):
+def jax_step(method_name: str, model, params, x, *, dtype: str = "float32", attention: str = "matmul",
+             row_chunk: int | None = None):
   """``(step, sync, adapter, placed, box)``: one engine step of ``method_name`` on the batch ``x`` kept on the
   device; ``step()`` advances ``box['state']`` and sets ``box['logits']``, ``sync()`` waits for them."""
   import jax
@@ -132,7 +133,7 @@ def jax_step(method_name: str, model, params, x, *, dtype: str = "float32", atte
     frozen, trainable = split(prep.params, prep.is_trainable)
     labels = np.arange(b, dtype=np.int32) % model.config.num_classes
     stats = method.compute_source_stats(prep, frozen, trainable, iter([(x, labels)] * 2))
-  ad = engine.Adapter(method, model, params, batch_size=b, source_stats=stats)
+  ad = engine.Adapter(method, model, params, batch_size=b, source_stats=stats, row_chunk=row_chunk)
   placed = ad.place(x)
   box = {"state": ad.init_state()}
 
@@ -143,7 +144,7 @@ def jax_step(method_name: str, model, params, x, *, dtype: str = "float32", atte
 
 
 def time_jax(method_name: str, model, params, x, *, steps: int, warmup: int, dtype: str = "float32",
-             attention: str = "matmul", fp32_matmul: str = "tf32") -> dict:
+             attention: str = "matmul", fp32_matmul: str = "tf32", row_chunk: int | None = None) -> dict:
   """Images/s of the engine's step on one batch kept on the device (as the PyTorch side keeps its own).
 
   A float32 run computes its matmuls at ``fp32_matmul`` precision ("tf32": TensorFloat-32 on Ampere+ GPUs,
@@ -159,7 +160,8 @@ def time_jax(method_name: str, model, params, x, *, steps: int, warmup: int, dty
                if dtype == "float32" else contextlib.nullcontext())
   with precision, warnings.catch_warnings(record=True) as caught:  # the fused attention's fallback warns
     warnings.simplefilter("always")
-    step, sync, _, _, _ = jax_step(method_name, model, params, x, dtype=dtype, attention=attention)
+    step, sync, _, _, _ = jax_step(method_name, model, params, x, dtype=dtype, attention=attention,
+                                   row_chunk=row_chunk)
     first_s, dt, _ = _time(step, sync, steps, warmup)
   fell_back = any("using 'matmul'" in str(w.message) for w in caught)
   dev = jax.devices()[0]
@@ -170,7 +172,7 @@ def time_jax(method_name: str, model, params, x, *, steps: int, warmup: int, dty
               dtype=dtype, attention="matmul" if fell_back else attention,
               fp32_matmul=fp32_matmul if dtype == "float32" else None,
               peak_mb=mem["peak_bytes_in_use"] / 2**20 if mem else peak_rss_mb(), peak_kind="device" if mem else "rss",
-              version=jax.__version__)
+              version=jax.__version__, row_chunk=row_chunk)
 
 
 def torch_inputs(arch: str, batch_size: int, state_dict=None):
@@ -241,7 +243,7 @@ def run_jax(a) -> dict:
   engine.use_cpu_devices(a.cpu_devices)
   model, params, x = jax_inputs(a.arch, a.batch_size)
   return time_jax(a.method, model, params, x, steps=a.steps, warmup=a.warmup, dtype=a.dtype, attention=a.attention,
-                  fp32_matmul=a.fp32_matmul)
+                  fp32_matmul=a.fp32_matmul, row_chunk=a.row_chunk)
 
 
 def run_torch(a) -> dict:
@@ -272,6 +274,8 @@ def parser() -> ArgumentParser:
                  help="float32 matmul precision on Ampere+ GPUs, both frameworks (tf32: XLA's default)")
   p.add_argument("--cpu-devices", type=int, help="JAX on a CPU: split it into N devices sharing the batch (as the "
                  "harness's --cpu-devices; default 1)")
+  p.add_argument("--row-chunk", type=int, help="JAX: run the model in passes of N rows of the batch (the harness's "
+                 "--row-chunk; on a CPU at batch 64, 16 keeps the activations in the caches)")
   p.add_argument("--json", help="also write the results to this JSON file")
   p.add_argument("--worker", choices=["jax", "torch"], help=argparse.SUPPRESS)  # internal: one framework
   return p
@@ -303,7 +307,8 @@ def measure(a, method: str, argv: Sequence[str]) -> dict:
   print(f"{method} step ({cost} per batch), {a.arch}, batch {a.batch_size}, {a.dtype}, {a.steps} timed steps "
         f"after {a.warmup} warm-up")
   for fw, r in results.items():
-    print(f"  {fw:5s} [{r['device']}, {r['version']}]: {r['images_per_s']:8.2f} img/s   first step "
+    chunk = f", {r['row_chunk']} rows per pass" if r.get("row_chunk") else ""
+    print(f"  {fw:5s} [{r['device']}, {r['version']}{chunk}]: {r['images_per_s']:8.2f} img/s   first step "
           f"(compile) {r['compile_s']:6.2f} s   peak {r['peak_kind']} {r['peak_mb']:8.0f} MiB")
   if "jax" in results and "torch" in results:
     ratio = results["jax"]["images_per_s"] / results["torch"]["images_per_s"]

@@ -27,6 +27,8 @@
   fewer bytes to transfer) are normalized inside the compiled step with the
   checkpoint's ``mean``/``std`` given to the Adapter, by a lookup in
   `transforms.normalize_table`: bit for bit the host's `Preprocess.normalize`.
+* ``row_chunk=N`` runs the model over each batch in passes of N rows (`Method.forward`): the same step up
+  to float32 rounding, faster on CPUs at large batches (the activations of a pass stay in the caches).
 """
 
 from __future__ import annotations
@@ -89,9 +91,13 @@ class Adapter:
 
   def __init__(self, method: Method, model, params: Any, *, batch_size: int, eval_order: Optional[str] = None,
                mesh: Optional[Mesh] = None, seed: int = 0, source_stats: Optional[dict] = None,
-               mean: Optional[Sequence[float]] = None, std: Optional[Sequence[float]] = None):
+               mean: Optional[Sequence[float]] = None, std: Optional[Sequence[float]] = None,
+               row_chunk: Optional[int] = None):
     if batch_size < 1:
       raise UserError(f"batch_size: expected a positive integer, got {batch_size}")
+    if row_chunk is not None and not (isinstance(row_chunk, int) and row_chunk >= 1):
+      raise UserError(f"row_chunk: expected a positive integer, got {row_chunk}")
+    self.row_chunk = row_chunk
     self.method = method
     self.eval_order = eval_order or method.default_eval_order
     if self.eval_order not in method.eval_orders:
@@ -138,7 +144,7 @@ class Adapter:
     if images.dtype == jnp.uint8:
       images = normalize_uint8(images, self._table, valid)
     # The traced statistics (not baked-in constants), and the mesh for a method's gathered rows (`shard_rows`).
-    prep = dataclasses.replace(self.prep, consts=consts, mesh=self.mesh)
+    prep = dataclasses.replace(self.prep, consts=consts, mesh=self.mesh, row_chunk=self.row_chunk)
     state, logits, metrics = self.method.update(prep, frozen, state, images, valid)
     perturbed = metrics.pop("perturbed_logits", None)
     if self.eval_order == "perturbed":

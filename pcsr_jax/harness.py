@@ -83,6 +83,9 @@ class RunConfig:
   # optimizer state stay float32); the attention kernel: "matmul", "xla" or "cudnn" (GPU, 16-bit dtype).
   dtype: str = "float32"
   attention: str = "matmul"
+  # Rows per pass of the model (`Method.forward`): on a CPU at batch 64, passes of 16 keep the activations in
+  # the caches. None: the batch in one pass (the paper numbers; a chunked run differs by float32 rounding).
+  row_chunk: Optional[int] = None
 
   def validate(self) -> None:
     """Every value checked before any work starts: one line naming the flag on the first bad one."""
@@ -94,6 +97,8 @@ class RunConfig:
       raise UserError(f"--seeds: expected non-negative integers, got {','.join(map(str, self.seeds))}")
     if self.workers is not None and self.workers < 1:
       raise UserError(f"--workers: expected a positive integer, got {self.workers}")
+    if self.row_chunk is not None and not (isinstance(self.row_chunk, int) and self.row_chunk >= 1):
+      raise UserError(f"--row-chunk: expected a positive integer, got {self.row_chunk}")
     if self.loader not in ("threads", "processes"):
       raise UserError(f"--loader: expected threads or processes, got '{self.loader}'")
     if not (isinstance(self.imbalance_ratio, (int, float)) and math.isfinite(self.imbalance_ratio)
@@ -316,7 +321,7 @@ def _run_seed(setup: _Setup, seed: int, stop: "_Stop", log) -> bool:
     method, stats, used = _source_stats(setup, method, log)
     adapter = engine.Adapter(method, setup.model, setup.params, batch_size=cfg.batch_size,
                              eval_order=cfg.eval_order, seed=seed, source_stats=stats,
-                             mean=setup.meta["mean"], std=setup.meta["std"])
+                             mean=setup.meta["mean"], std=setup.meta["std"], row_chunk=cfg.row_chunk)
     if not _run_unit(setup, key, method_name, seed, adapter, segments, stop, log, used):
       return False
   return True

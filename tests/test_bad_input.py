@@ -112,6 +112,7 @@ def test_flag_values(world, tmp_path):
                        ("--methods: no method given", ["--methods", ","]),
                        ("--seeds: expected non-negative integers", ["--seeds", "-1"]),
                        ("--workers: expected a positive integer", ["--workers", "-2"]),
+                       ("--row-chunk: expected a positive integer", ["--row-chunk", "0"]),
                        ("--imbalance-ratio: expected a number >= 1", ["--imbalance-ratio", "-1"]),
                        ("tent lr: expected None or float, got 'fast'", ["--method-args", '{"tent": {"lr": "fast"}}']),
                        ("tent lr: expected a finite number, got nan", ["--method-args", '{"tent": {"lr": NaN}}']),

