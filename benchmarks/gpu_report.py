@@ -14,10 +14,11 @@ Phases, each in its own subprocess with a deadline (a hang or crash costs that p
    kept on the device. Steps are lowered and compiled a group of ``--compile-threads`` at a time in threads
    (XLA's compiler releases the GIL), the first two alone so that the GEMM autotuning cache is warm for the
    others; each group is timed step by step once its compiles are done. The slowest methods run last.
-4. *e2e*: ``experiments/imagenet_c.py`` (the harness, every core decoding) on generated 224 px JPEGs in the
-   ImageNet-C layout, bfloat16, Source (the fastest step, so the hardest to feed) and TENT; the steady-state
-   img/s is the second corruption's (the step compiles during the first), set against the bare step's img/s
-   and the decode-only img/s, which is also measured at 1, 2, 4, ... threads (where the loader stops scaling).
+4. *e2e*: ``experiments/imagenet_c.py`` (the harness, every core decoding, ``--loader`` from ``--e2e-loader``:
+   worker processes by default) on generated 224 px JPEGs in the ImageNet-C layout, bfloat16, Source (the
+   fastest step, so the hardest to feed) and TENT; the steady-state img/s is the second corruption's (the step
+   compiles during the first), set against the bare step's img/s and the decode-only img/s, which is also
+   measured at 1, 2, 4, ... threads and processes (where each loader stops scaling).
 5. *extras* (time permitting): JAX bf16 with the matmul attention, to show what cuDNN attention buys.
 
 Timing: ``--warmup`` steps after the first (compile) step, then ``--steps`` steps, each waited for (JAX
