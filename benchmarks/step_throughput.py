@@ -308,7 +308,8 @@ def measure(a, method: str, argv: Sequence[str]) -> dict:
         f"after {a.warmup} warm-up")
   for fw, r in results.items():
     chunk = f", {r['row_chunk']} rows per pass" if r.get("row_chunk") else ""
-    print(f"  {fw:5s} [{r['device']}, {r['version']}{chunk}]: {r['images_per_s']:8.2f} img/s   first step "
+    ips = r["images_per_s"]
+    print(f"  {fw:5s} [{r['device']}, {r['version']}{chunk}]: {ips:8.{2 if ips >= 1 else 4}f} img/s   first step "
           f"(compile) {r['compile_s']:6.2f} s   peak {r['peak_kind']} {r['peak_mb']:8.0f} MiB")
   if "jax" in results and "torch" in results:
     ratio = results["jax"]["images_per_s"] / results["torch"]["images_per_s"]
