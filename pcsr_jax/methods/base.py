@@ -330,8 +330,9 @@ class Method(abc.ABC):
     through the model in passes of ``row_chunk`` rows, one after the other (`lax.map`; its reverse in the
     backward pass): the same logits up to float32 rounding of the weight gradients' sums, with each pass's
     activations small enough to stay in a CPU's caches (at batch 64 on 2 CPU cores, passes of 16 rows run
-    Source's and TENT's steps 1.3x faster). The model's rows are independent (no batch statistics), so only the order of the
-    work changes. Sown values must be per row (PCSR's per-sample similarity); any other runs in one pass.
+    Source's and TENT's steps 1.3x faster). The model's rows are independent (no batch statistics), so only
+    the order of the work changes. Sown values must be per row (PCSR's per-sample similarity); any other runs
+    in one pass. ``row_chunk`` must also split over the mesh's devices, or each pass would run unsharded.
     """
     variables = {"params": merge(frozen, trainable)}
 
