@@ -295,9 +295,33 @@ def test_augmix_ops_dispatch():
   np.testing.assert_array_equal(run(key, q, 0), ops.autocontrast(q))
   np.testing.assert_array_equal(run(key, q, 1), ops.equalize(q))
   np.testing.assert_array_equal(run(key, q, 8), ops.posterize(q, 4))
+  np.testing.assert_array_equal(run(key, q, pipelines.IDENTITY_OP), q)  # a chain step past the chain's depth
   for op in range(2, 8):
     out = np.asarray(run(key, q, op))
     assert np.isin(out, np.arange(256)).all() and out.shape == q.shape
+
+
+def test_augmix_views_loop_and_vectorised_agree():
+  """The CPU's loop (each chain step runs its own op) and the accelerators' vectorised select make the same
+  draws and the same 8-bit chains; XLA fuses the final float mix differently, so the views agree to float32
+  rounding (2 ulps of 1.0). Within the loop, a rerun is bit-identical."""
+  img = _imgs(b=1)[0]
+  key = jax.random.PRNGKey(7)
+  keys = jax.random.split(key, 6)
+  draw = jax.jit(jax.vmap(lambda k: pipelines._augmix_draw(k, img, 32)))
+  crops, _, _, chain_keys = draw(keys)
+  one = jax.jit(lambda k, c: pipelines._augmix_chain(k, c))
+  looped_chains = np.stack([np.stack([np.asarray(one(k, c)) for k in ks]) for ks, c in zip(chain_keys, crops)])
+  vec_chains = jax.jit(jax.vmap(jax.vmap(pipelines._augmix_chain, in_axes=(0, None))))(chain_keys, crops)
+  np.testing.assert_array_equal(looped_chains, np.asarray(vec_chains))  # the ops on integer levels: exact
+  assert len({float(np.abs(c[0] - c[1]).sum()) for c in looped_chains}) == 6  # chains differ from each other
+
+  looped = jax.jit(lambda k: A.augmix_views(k, img, 6, loop=True))(key)
+  vectorised = jax.jit(lambda k: A.augmix_views(k, img, 6, loop=False))(key)
+  np.testing.assert_allclose(np.asarray(looped), np.asarray(vectorised), rtol=0, atol=2.5e-7)
+  assert len({round(float(v.mean()), 5) for v in np.asarray(looped)}) == 6
+  default = jax.jit(lambda k: A.augmix_views(k, img, 6))(key)  # the CPU backend picks the loop
+  np.testing.assert_array_equal(np.asarray(default), np.asarray(looped))
 
 
 def test_normalize_round_trip():

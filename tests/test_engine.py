@@ -177,6 +177,11 @@ for name in ["sar", "pcsr", "roid", "memo", "tent"]:  # SAR's two passes and mas
   out[name] = dict(logit_diff=float(np.abs(l1 - l4).max()),
                    param_diff=max(float(np.abs(a - b).max()) for a, b in zip(p1, p4)),
                    pred_equal=bool((l1.argmax(-1) == l4.argmax(-1)).all()), padded=[b1, b4], devices=[d1, d4])
+memo, img = methods.get("memo"), batches(1, 1)[0][0]  # MEMO's views drawn per device (`shard_map`) or on one
+v1 = jax.jit(lambda k, x: memo.draw_views(k, x))(jax.random.key(3), img)
+v4 = jax.jit(lambda k, x: memo.draw_views(k, x, engine.data_mesh()))(jax.random.key(3), img)
+out["memo_views"] = dict(equal=bool(np.array_equal(np.asarray(v1), np.asarray(v4))),
+                         devices=len(v4.sharding.device_set))
 print(json.dumps(out))
 """
 
@@ -189,6 +194,7 @@ def test_four_cpu_devices_equal_one_device():
                      capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stderr[-3000:]
   out = json.loads(r.stdout.strip().splitlines()[-1])
+  assert out.pop("memo_views") == dict(equal=True, devices=4)
   for name, o in out.items():
     assert o["padded"] == [6, 8] and o["devices"] == [1, 4], (name, o)
     assert o["pred_equal"], (name, o)

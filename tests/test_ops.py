@@ -99,3 +99,39 @@ def test_softmax_attention_bf16_close_to_float32():
   assert _rel(out16, ref) < 2e-2  # bf16 products, float32 softmax
   for g, g_ref in zip(vjp16(do.astype(jnp.bfloat16)), vjp_ref(do)):
     assert g.dtype == jnp.bfloat16 and _rel(g, g_ref) < 5e-2
+
+
+@pytest.mark.parametrize("hw", [(16, 12), (18, 21)])  # whole patches; rows and columns past the last patch
+def test_patch_conv_matches_nn_conv_values_and_gradients(hw):
+  x, dy_full = _rand(3, (2, *hw, 3), (2, hw[0] // 4, hw[1] // 4, 8))
+  ref, mine = nn.Conv(8, (4, 4), strides=(4, 4), padding="VALID"), ops.PatchConv(8, 4)
+  p_ref, p_mine = ref.init(jax.random.key(4), x), mine.init(jax.random.key(4), x)
+  assert jax.tree.structure(p_ref) == jax.tree.structure(p_mine)
+  for a, b in zip(jax.tree.leaves(p_ref), jax.tree.leaves(p_mine)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the same initializers and draws
+  params = {"params": {"kernel": _rand(5, (4, 4, 3, 8))[0], "bias": jnp.linspace(-1, 1, 8)}}
+  y_ref, y = jax.jit(ref.apply)(params, x), jax.jit(mine.apply)(params, x)
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))  # the same convolution: the same floats
+
+  def grads(m):
+    return jax.jit(jax.grad(lambda p, x: (m.apply(p, x) * dy_full).sum(), argnums=(0, 1)))(params, x)
+
+  (gp_ref, gx_ref), (gp, gx) = grads(ref), grads(mine)
+  assert gx.shape == x.shape and _rel(gx, gx_ref) < 1e-5
+  if hw[0] % 4:  # the rows past the last whole patch reach no output
+    assert float(jnp.abs(gx[:, hw[0] // 4 * 4:]).max()) == 0.0
+  for name in ("kernel", "bias"):
+    assert _rel(gp["params"][name], gp_ref["params"][name]) < 1e-5, name
+
+
+def test_patch_conv_bf16_dtype_and_float32_param_gradients():
+  x = _rand(6, (2, 8, 8, 3))[0]
+  m = ops.PatchConv(4, 4, dtype=jnp.bfloat16)
+  p = m.init(jax.random.key(0), x)
+  y = m.apply(p, x)
+  assert y.dtype == jnp.bfloat16 and y.shape == (2, 2, 2, 4)
+  g = jax.grad(lambda p: m.apply(p, x).astype(jnp.float32).sum())(p)
+  ref = jax.grad(lambda p: nn.Conv(4, (4, 4), strides=(4, 4), padding="VALID", dtype=jnp.bfloat16).apply(
+      p, x).astype(jnp.float32).sum())(p)
+  assert g["params"]["kernel"].dtype == jnp.float32
+  assert _rel(g["params"]["kernel"], ref["params"]["kernel"]) < 1e-2  # bf16 products, rounded differently

@@ -251,12 +251,13 @@ def affine_pil(q: Array, coeffs: Array, fill: Sequence[float] = (128.0, 0.0, 0.0
   return jnp.where(inside[..., None], jnp.clip(jnp.floor(v + 1e-3), 0.0, 255.0), jnp.asarray(fill, q.dtype))
 
 
-def rotate_pil_coeffs(degrees: Array, h: int, w: int) -> Array:
-  """The inverse affine coefficients of PIL ``Image.rotate(degrees)`` about the image centre."""
-  t = -jnp.deg2rad(degrees)
-  cos, sin = jnp.cos(t), jnp.sin(t)
+def rotate_pil_coeffs(degrees: Array, h: int, w: int, xp=jnp) -> Array:
+  """The inverse affine coefficients of PIL ``Image.rotate(degrees)`` about the image centre (``xp``: the
+  array module, ``numpy`` for float64 constants)."""
+  t = -xp.deg2rad(degrees)
+  cos, sin = xp.cos(t), xp.sin(t)
   cx, cy = w / 2.0, h / 2.0
-  return jnp.stack([cos, sin, cx - cos * cx - sin * cy, -sin, cos, cy + sin * cx - cos * cy])
+  return xp.stack([cos, sin, cx - cos * cx - sin * cy, -sin, cos, cy + sin * cx - cos * cy])
 
 
 # ---------------------------------------------------------------- resampling (PIL bilinear resize)

@@ -37,11 +37,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 from pcsr_jax import augment
 from pcsr_jax.errors import UserError
@@ -89,10 +90,20 @@ class MEMO(Method):
     tx = optax.adamw(self.lr, b1=self.b1, b2=self.b2, eps=self.eps, weight_decay=self.weight_decay)
     return Prepared(model, params, is_trainable=lambda path: True, tx=tx)
 
-  def draw_views(self, key: Array, image: Array) -> Array:
-    """``[V, H, W, C]`` normalised AugMix views of one normalised ``[H, W, C]`` image."""
+  def draw_views(self, key: Array, image: Array, mesh: Optional[jax.sharding.Mesh] = None) -> Array:
+    """``[V, H, W, C]`` normalised AugMix views of one normalised ``[H, W, C]`` image.
+
+    On a mesh of several devices each device draws its own share of the views (``shard_map``; the same
+    views as one device draws), and they stay there for the model. Left to the partitioner, the views'
+    sharding reaches into AugMix's per-op ``lax.switch`` loop, whose branches then hold collectives that
+    the devices can reach in different orders: a deadlock (seen with ``--row-chunk 16`` on 2 CPU devices).
+    """
     x01 = augment.denormalize(image, self.mean, self.std)
-    return augment.normalize(augment.augmix_views(key, x01, self.views), self.mean, self.std)
+    draw = lambda keys, img: augment.normalize(augment.augmix_views_of_keys(keys, img), self.mean, self.std)
+    n = 1 if mesh is None else mesh.devices.size
+    if n > 1 and self.views % n == 0:
+      draw = jax.shard_map(draw, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"))
+    return draw(jax.random.split(key, self.views), x01)
 
   def adapted_params(self, prep: Prepared, frozen: Any, state: AdaptState, views: Array) -> tuple[Any, Array]:
     """One image's step on its ``[V, H, W, C]`` views from the source params and the fresh optimizer state
@@ -122,7 +133,10 @@ class MEMO(Method):
     """``one`` over the images, ``chunk`` at a time. Padded rows are adapted too (fixed shapes) but change
     nothing and are left out of the loss metric."""
     b = valid.shape[0]
-    logits, loss = jax.lax.map(one, xs, batch_size=min(self.chunk, b))
+    # One image at a time is a plain loop, not a vmap of one: under vmap the AugMix ops' `lax.switch`
+    # would turn into a select that computes every op (`augment.augmix_views`).
+    chunk = min(self.chunk, b)
+    logits, loss = jax.lax.map(one, xs) if chunk == 1 else jax.lax.map(one, xs, batch_size=chunk)
     metrics = {"loss": jnp.sum(jnp.where(valid, loss, 0.0)) / jnp.maximum(jnp.sum(valid), 1)}
     return state.replace(step=state.step + 1), logits, metrics
 
@@ -136,5 +150,5 @@ class MEMO(Method):
     rng, key = jax.random.split(state.rng)
     keys = jax.random.split(key, images.shape[0])
     # Views are drawn inside the map, so only the images in flight hold theirs ([chunk, V, H, W, C]).
-    one = lambda xk: self.adapt_one(prep, frozen, state, xk[0], self.draw_views(xk[1], xk[0]))
+    one = lambda xk: self.adapt_one(prep, frozen, state, xk[0], self.draw_views(xk[1], xk[0], prep.mesh))
     return self._map(state.replace(rng=rng), valid, one, (images, keys))

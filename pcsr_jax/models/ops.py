@@ -1,10 +1,12 @@
-"""The ViT's LayerNorm, GELU and softmax attention with hand-written VJPs, for speed on XLA:CPU.
+"""The ViT's LayerNorm, GELU, softmax attention and patch convolution with hand-written VJPs, for speed on
+XLA:CPU.
 
 LayerNorm and GELU compute exactly what they replace in the forward (the same jnp expressions, so the same
 float32 values: flax's ``nn.LayerNorm`` and torch's exact GELU); only their backward is written by hand, as
 the closed forms PyTorch's own kernels use (``native_layer_norm_backward``, ``gelu_backward``). The attention
 normalizes its softmax after the ``A V`` product (as flash attention does), which rounds differently from
-``softmax(s) @ v`` by float32 ulps, and has the softmax's closed-form backward.
+``softmax(s) @ v`` by float32 ulps, and has the softmax's closed-form backward. The patch convolution is
+``nn.Conv``'s forward with its kernel gradient as one matmul over the patches.
 
 Why: XLA differentiates a forward op by op, and on the CPU the result costs memory passes over full
 activations that a closed form does not need. For LayerNorm it materializes ``rsqrt(var) * scale``
@@ -141,3 +143,56 @@ def _attention_bwd(res, do):
 
 
 softmax_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _patch_conv(x: Array, kernel: Array) -> Array:
+  p, q = kernel.shape[:2]
+  return jax.lax.conv_general_dilated(x, kernel, (p, q), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+@jax.custom_vjp
+def patch_conv(x: Array, kernel: Array) -> Array:
+  """The patch embedding's convolution: ``[B, H, W, C]`` images, a ``[p, q, C, D]`` kernel with stride
+  ``(p, q)`` and no padding -> ``[B, H // p, W // q, D]``, the forward exactly as ``nn.Conv`` computes it.
+
+  The backward is two matmuls over non-overlapping patches: ``dK[p, q, c, d] = sum over (b, h, w) of
+  patch[b, h, w, p, q, c] * dY[b, h, w, d]`` and ``dX`` its transpose. XLA:CPU lowers the conv's kernel
+  gradient (a convolution with the output gradient dilated by the stride) to a slow generic loop: 9.8 s of a
+  MEMO step's 25.8 s at ViT-S/16 with 64 views (`benchmarks/profile_step.py --method memo --batch-size 1`),
+  paid by every method that trains the patch embedding (MEMO, AdaContrast, CoTTA)."""
+  return _patch_conv(x, kernel)
+
+
+def _patch_conv_fwd(x, kernel):
+  return _patch_conv(x, kernel), (x, kernel)
+
+
+def _patch_conv_bwd(res, dy):
+  x, kernel = res
+  p, q, c, _ = kernel.shape
+  b, h, w, _ = dy.shape
+  patches = x[:, :h * p, :w * q].reshape(b, h, p, w, q, c)  # rows/columns past the last whole patch: unused
+  dk = jnp.einsum("bhpwqc,bhwd->pqcd", patches, dy)
+  dx = jnp.einsum("bhwd,pqcd->bhpwqc", dy, kernel).reshape(b, h * p, w * q, c)
+  dx = jnp.pad(dx, ((0, 0), (0, x.shape[1] - h * p), (0, x.shape[2] - w * q), (0, 0)))
+  return dx.astype(x.dtype), dk.astype(kernel.dtype)
+
+
+patch_conv.defvjp(_patch_conv_fwd, _patch_conv_bwd)
+
+
+class PatchConv(nn.Module):
+  """``nn.Conv(features, (p, p), strides=(p, p), padding="VALID")`` with the same params (``kernel``,
+  ``bias``), initializers, forward values and dtype handling, and `patch_conv`'s backward."""
+
+  features: int
+  patch_size: int
+  dtype: Optional[Dtype] = None
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    p = self.patch_size
+    kernel = self.param("kernel", nn.initializers.lecun_normal(), (p, p, x.shape[-1], self.features), jnp.float32)
+    bias = self.param("bias", nn.initializers.zeros_init(), (self.features,), jnp.float32)
+    x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+    return patch_conv(x, kernel) + bias

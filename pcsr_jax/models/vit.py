@@ -47,7 +47,7 @@ import jax.numpy as jnp
 
 from pcsr_jax.errors import UserError
 from pcsr_jax.models.configs import ViTConfig
-from pcsr_jax.models.ops import LayerNorm, gelu, softmax_attention
+from pcsr_jax.models.ops import LayerNorm, PatchConv, gelu, softmax_attention
 
 Array = jax.Array
 
@@ -74,7 +74,8 @@ class Recalibration(Protocol):
 
 
 class PatchEmbed(nn.Module):
-  """timm ``patch_embed``: a stride-p conv, flattened to ``[B, N, D]``."""
+  """timm ``patch_embed``: a stride-p conv (`ops.PatchConv`, ``nn.Conv`` with a faster backward), flattened
+  to ``[B, N, D]``."""
 
   patch_size: int
   embed_dim: int
@@ -83,7 +84,7 @@ class PatchEmbed(nn.Module):
   @nn.compact
   def __call__(self, x: Array) -> Array:
     p = self.patch_size
-    x = nn.Conv(self.embed_dim, (p, p), strides=(p, p), padding="VALID", dtype=self.dtype, name="proj")(x)
+    x = PatchConv(self.embed_dim, p, dtype=self.dtype, name="proj")(x)
     b, h, w, d = x.shape
     return x.reshape(b, h * w, d)
 
