@@ -61,3 +61,17 @@ def test_both_frameworks_time_the_same_weights_on_the_same_images():
     got = tmodel(tx).numpy()
   assert np.abs(want).max() > 0.1  # the weights' scale gives logits that differ by image
   np.testing.assert_allclose(got, want, atol=2e-4, rtol=2e-4)
+
+
+def test_augmix_views_benchmark_times_both_forms_and_rejects_bad_flags(capsys):
+  from benchmarks import augmix_views
+  from pcsr_jax.errors import UserError
+
+  assert augmix_views.main(["--views", "2", "--size", "16", "--reps", "1"]) == 0
+  out = capsys.readouterr().out.splitlines()
+  assert out[0].startswith("AugMix views of one 16x16 image, 2 views")
+  for form in ("loop", "vectorised"):
+    line = next(l for l in out if form in l)
+    assert float(line.split()[-1]) > 0
+  with pytest.raises(UserError, match="--views and --reps must be positive"):
+    augmix_views.main(["--views", "0"])
