@@ -94,9 +94,10 @@ class MEMO(Method):
     """``[V, H, W, C]`` normalised AugMix views of one normalised ``[H, W, C]`` image.
 
     On a mesh of several devices each device draws its own share of the views (``shard_map``; the same
-    views as one device draws), and they stay there for the model. Left to the partitioner, the views'
-    sharding reaches into AugMix's per-op ``lax.switch`` loop, whose branches then hold collectives that
-    the devices can reach in different orders: a deadlock (seen with ``--row-chunk 16`` on 2 CPU devices).
+    views as one device draws, ``tests/test_engine.py``), and they stay there for the model. Left to the
+    partitioner, AugMix's loop of ``lax.switch`` ops compiled with collectives that two CPU devices entered
+    in different orders (one waiting in an all-reduce, the other in an all-gather): a deadlock, seen with
+    ``--row-chunk 16``.
     """
     x01 = augment.denormalize(image, self.mean, self.std)
     draw = lambda keys, img: augment.normalize(augment.augmix_views_of_keys(keys, img), self.mean, self.std)
