@@ -259,10 +259,10 @@ def augmix_views(key: Array, img01: Array, n_views: int, size: Optional[int] = N
   ``loop``: run the chains one after the other, so each chain step runs only its own op (a chain has 1-3
   steps), or vectorised, where each of a view's 3 x 3 steps computes every op and selects. The same draws
   and the same 8-bit crops and chains either way; the final mix, fused differently, can differ by a float32
-  ulp (``tests/test_augment.py``). ``None``: loop on the CPU, where it is about
-  5x faster (64 views at 224 px on 2 cores: 0.41 s against 2.20 s, ``python benchmarks/augmix_views.py``;
-  ``equalize``'s histogram dominates the vectorised form), vectorise on accelerators, where 192 sequential chains per image would cost more than
-  the discarded arithmetic.
+  ulp (``tests/test_augment.py``). ``None``: loop on the CPU, where it is about 5x faster (64 views at 224 px
+  on 2 cores: 0.41 s against 2.20 s, ``python benchmarks/augmix_views.py``; ``equalize``'s histogram
+  dominates the vectorised form), vectorise on accelerators, where 192 sequential chains per image would
+  cost more than the discarded arithmetic.
   """
   return augmix_views_of_keys(jax.random.split(key, n_views), img01, size, loop)
 

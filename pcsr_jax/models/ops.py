@@ -192,7 +192,8 @@ class PatchConv(nn.Module):
   @nn.compact
   def __call__(self, x: Array) -> Array:
     p = self.patch_size
-    kernel = self.param("kernel", nn.initializers.lecun_normal(), (p, p, x.shape[-1], self.features), jnp.float32)
+    shape = (p, p, x.shape[-1], self.features)
+    kernel = self.param("kernel", nn.initializers.lecun_normal(), shape, jnp.float32)
     bias = self.param("bias", nn.initializers.zeros_init(), (self.features,), jnp.float32)
     x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
     return patch_conv(x, kernel) + bias
