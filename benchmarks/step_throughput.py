@@ -10,6 +10,10 @@ CUDA ``synchronize``). ``--dtype bfloat16`` runs JAX's backbone in bf16
 (float32 params and optimizer state) and PyTorch's step under bf16 autocast.
 Prints images/s for both, their ratio, the compile (first-step) time and the
 peak memory: device peak on a GPU, the process's peak RSS on the CPU.
+``--rounds R`` runs each framework's subprocess R times, alternating which goes
+first, and keeps each framework's fastest round: on a shared CPU one run's
+figures can move by 10-30% (a slow spell of the machine), and the spell then
+lands on one round, not on one framework's only figure.
 ``--cpu-devices N`` splits the CPU into N JAX devices sharing the batch (one per
 core is XLA:CPU's fastest setting; PyTorch uses all cores' threads either way).
 """
@@ -276,6 +280,8 @@ def parser() -> ArgumentParser:
                  "harness's --cpu-devices; default 1)")
   p.add_argument("--row-chunk", type=int, help="JAX: run the model in passes of N rows of the batch (the harness's "
                  "--row-chunk; on a CPU at batch 64, 16 keeps the activations in the caches)")
+  p.add_argument("--rounds", type=int, default=1, help="run each framework R times, alternating which goes "
+                 "first, and keep each one's fastest round")
   p.add_argument("--json", help="also write the results to this JSON file")
   p.add_argument("--worker", choices=["jax", "torch"], help=argparse.SUPPRESS)  # internal: one framework
   return p
@@ -287,15 +293,38 @@ HEAVY = ("foa", "cotta", "memo")
 HEAVY_STEPS = 1
 
 
+def round_order(frameworks: Sequence[str], rounds: int) -> list[str]:
+  """The order the workers run in: the frameworks once per round, the first round as given, every other round
+  reversed (jax, torch, torch, jax, ...), so that neither framework always runs right after the other."""
+  return [fw for r in range(rounds) for fw in (frameworks if r % 2 == 0 else list(reversed(frameworks)))]
+
+
+def fastest_rounds(runs: dict[str, list[dict]]) -> dict[str, dict]:
+  """Each framework's fastest round (highest images/s), with every round's images/s under ``rounds_images_per_s``
+  in the order they ran; its first-step (compile) time is the first round's, so that it does not depend on R."""
+  out = {}
+  for fw, rs in runs.items():
+    best = max(rs, key=lambda r: r["images_per_s"])
+    out[fw] = {**best, "compile_s": rs[0]["compile_s"], "rounds_images_per_s": [r["images_per_s"] for r in rs]}
+  return out
+
+
+def _fmt_ips(ips: float) -> str:
+  return f"{ips:.{2 if ips >= 1 else 4}f}"
+
+
 def measure(a, method: str, argv: Sequence[str]) -> dict:
-  """Both frameworks' figures for one method, each framework in its own subprocess; prints them."""
+  """Both frameworks' figures for one method, each framework in its own subprocess (``a.rounds`` times each,
+  the fastest round kept); prints them."""
   from pcsr_jax import methods
 
   cost = methods.get(method).cost
-  results = {}
-  for fw in [f.strip() for f in a.frameworks.split(",") if f.strip()]:
+  fws = [f.strip() for f in a.frameworks.split(",") if f.strip()]
+  for fw in fws:
     if fw not in ("jax", "torch"):
       raise UserError(f"--frameworks: unknown framework '{fw}' (expected jax, torch)")
+  runs: dict[str, list[dict]] = {fw: [] for fw in fws}
+  for fw in round_order(fws, a.rounds):
     cmd = [sys.executable, os.path.abspath(__file__)] + list(argv) + ["--worker", fw, "--method", method,
                                                                       "--steps", str(a.steps),
                                                                       "--warmup", str(a.warmup)]
@@ -303,14 +332,16 @@ def measure(a, method: str, argv: Sequence[str]) -> dict:
     if r.returncode != 0:
       tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
       raise UserError(f"{method}: {fw} worker failed: {tail}")
-    results[fw] = json.loads(r.stdout.strip().splitlines()[-1])
+    runs[fw].append(json.loads(r.stdout.strip().splitlines()[-1]))
+  results = fastest_rounds(runs)
+  rounds = f", fastest of {a.rounds} rounds" if a.rounds > 1 else ""
   print(f"{method} step ({cost} per batch), {a.arch}, batch {a.batch_size}, {a.dtype}, {a.steps} timed steps "
-        f"after {a.warmup} warm-up")
+        f"after {a.warmup} warm-up{rounds}")
   for fw, r in results.items():
     chunk = f", {r['row_chunk']} rows per pass" if r.get("row_chunk") else ""
-    ips = r["images_per_s"]
-    print(f"  {fw:5s} [{r['device']}, {r['version']}{chunk}]: {ips:8.{2 if ips >= 1 else 4}f} img/s   first step "
-          f"(compile) {r['compile_s']:6.2f} s   peak {r['peak_kind']} {r['peak_mb']:8.0f} MiB")
+    every = (" (rounds: " + ", ".join(_fmt_ips(x) for x in r["rounds_images_per_s"]) + ")") if a.rounds > 1 else ""
+    print(f"  {fw:5s} [{r['device']}, {r['version']}{chunk}]: {_fmt_ips(r['images_per_s']):>8s} img/s   first step "
+          f"(compile) {r['compile_s']:6.2f} s   peak {r['peak_kind']} {r['peak_mb']:8.0f} MiB{every}")
   if "jax" in results and "torch" in results:
     ratio = results["jax"]["images_per_s"] / results["torch"]["images_per_s"]
     results["ratio_jax_over_torch"] = ratio
@@ -325,8 +356,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   from pcsr_jax.models import get_config
 
   get_config(a.arch)  # validate before spawning workers
-  if a.batch_size < 1 or a.steps < 1 or a.warmup < 0:
-    raise UserError("--batch-size and --steps must be positive, --warmup non-negative")
+  if a.batch_size < 1 or a.steps < 1 or a.warmup < 0 or a.rounds < 1:
+    raise UserError("--batch-size, --steps and --rounds must be positive, --warmup non-negative")
   if a.worker:
     print(json.dumps(run_jax(a) if a.worker == "jax" else run_torch(a)))
     return 0

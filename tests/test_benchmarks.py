@@ -75,3 +75,38 @@ def test_augmix_views_benchmark_times_both_forms_and_rejects_bad_flags(capsys):
     assert float(line.split()[-1]) > 0
   with pytest.raises(UserError, match="--views and --reps must be positive"):
     augmix_views.main(["--views", "0"])
+
+
+def test_rounds_alternate_which_framework_goes_first_and_keep_each_ones_fastest():
+  from benchmarks.step_throughput import fastest_rounds, round_order
+
+  assert round_order(["jax", "torch"], 1) == ["jax", "torch"]
+  assert round_order(["jax", "torch"], 3) == ["jax", "torch", "torch", "jax", "jax", "torch"]
+  assert round_order(["torch"], 2) == ["torch", "torch"]
+  runs = {"jax": [dict(images_per_s=2.0, compile_s=9.0, peak_mb=1.0), dict(images_per_s=3.0, compile_s=8.0,
+                                                                             peak_mb=2.0)],
+          "torch": [dict(images_per_s=5.0, compile_s=1.0, peak_mb=3.0), dict(images_per_s=4.0, compile_s=2.0,
+                                                                              peak_mb=4.0)]}
+  best = fastest_rounds(runs)
+  assert best["jax"]["images_per_s"] == 3.0 and best["jax"]["peak_mb"] == 2.0  # the fastest round's figures
+  assert best["jax"]["compile_s"] == 9.0  # the first round's compile time
+  assert best["jax"]["rounds_images_per_s"] == [2.0, 3.0]
+  assert best["torch"]["images_per_s"] == 5.0 and best["torch"]["rounds_images_per_s"] == [5.0, 4.0]
+
+
+@pytest.mark.slow
+def test_step_throughput_runs_rounds_of_workers_and_rejects_zero_rounds(capsys):
+  from benchmarks import step_throughput
+  from pcsr_jax.errors import UserError
+
+  argv = ["--arch", "vit_tiny_patch32_224", "--batch-size", "2", "--method", "source", "--frameworks", "jax",
+          "--steps", "1", "--warmup", "0", "--rounds", "2"]
+  assert step_throughput.main(argv) == 0
+  out = capsys.readouterr().out.splitlines()
+  assert out[0].endswith("fastest of 2 rounds"), out[0]
+  line = next(l for l in out if l.lstrip().startswith("jax"))
+  rounds = [float(x) for x in line.split("(rounds: ")[1].rstrip(")").split(", ")]
+  best = float(line.split("]:")[1].split()[0])
+  assert len(rounds) == 2 and best == max(rounds) > 0
+  with pytest.raises(UserError, match="--rounds must be positive"):
+    step_throughput.main(argv[:-1] + ["0"])
