@@ -110,3 +110,14 @@ def test_step_throughput_runs_rounds_of_workers_and_rejects_zero_rounds(capsys):
   assert len(rounds) == 2 and best == max(rounds) > 0
   with pytest.raises(UserError, match="--rounds must be positive"):
     step_throughput.main(argv[:-1] + ["0"])
+
+
+def test_input_pipeline_times_every_backend_on_the_same_output(capsys):
+  from benchmarks import input_pipeline
+
+  assert input_pipeline.main(["--images", "64", "--workers", "2", "--repeats", "1", "--no-grain"]) == 0
+  rows = [r.split("|")[1:-1] for r in capsys.readouterr().out.splitlines() if r.startswith("| folder")]
+  got = {(r[1].strip(), r[2].strip()) for r in rows}
+  assert got == {(o, p) for o in ("uint8", "float32") for p in ("loader", "loader-procs", "loader-procs-started")}
+  for r in rows:
+    assert float(r[4]) > 0 and r[6].strip() == "yes", r  # every pass gave the first pass's images, in order

@@ -300,3 +300,20 @@ def test_unit_progress_json_round_trip():
   assert progress.RunProgress.from_json(json.loads(json.dumps(p.to_json()))) == p
   u.close_segment()
   assert (u.segment, u.batch, u.seconds, u.skipped, u.total_seconds) == (2, 0, 0.0, 0, 2.5)
+
+
+def test_auto_loader_takes_processes_only_on_an_accelerator_host_with_cores_and_picklable_sources(monkeypatch):
+  import threading
+
+  srcs, pre = [list(range(4))], abs
+  assert harness.loader_kind("threads", srcs, pre) == "threads"
+  assert harness.loader_kind("processes", srcs, pre) == "processes"
+  assert jax.default_backend() == "cpu" and harness.loader_kind("auto", srcs, pre) == "threads"
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(harness.os, "cpu_count", lambda: 16)
+  assert harness.loader_kind("auto", srcs, pre) == "processes"
+  assert harness.loader_kind("auto", [threading.Lock()], pre) == "threads"  # cannot reach a worker
+  monkeypatch.setattr(harness.os, "cpu_count", lambda: 4)
+  assert harness.loader_kind("auto", srcs, pre) == "threads"
+  with pytest.raises(UserError, match="--loader: expected threads, processes or auto, got 'fast'"):
+    harness.RunConfig(data="x", checkpoint="y", output="z", loader="fast").validate()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -87,6 +88,45 @@ def test_a_source_that_cannot_reach_the_workers_is_one_clear_error(folder):
   ld = loader.Loader([_Unpicklable(folder)], pre, batch_size=8, workers=2, processes=True)
   with pytest.raises(UserError, match="--loader processes: the data source cannot be sent"):
     list(ld.batches(np.zeros(8, int), np.arange(8)))
+
+
+class _SlowToStart:
+  """A source whose unpickling (in each worker's start-up) takes a second, except in the first worker up; each
+  worker writes its pid to ``ready`` once it can take work."""
+
+  def __init__(self, src, marker):
+    self.src, self.labels, self.names, self.marker = src, src.labels, src.names, marker
+
+  def __getstate__(self):
+    return self.__dict__
+
+  def __setstate__(self, state):
+    self.__dict__.update(state)
+    try:
+      os.close(os.open(self.marker + ".first", os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+      import time
+
+      time.sleep(1.0)
+    with open(self.marker + ".ready", "a") as f:
+      f.write(f"{os.getpid()}\n")
+
+  def load(self, i):
+    return self.src.load(i)
+
+
+def test_start_workers_waits_for_the_last_worker_up(folder, tmp_path):
+  # The first worker up could answer one ping per worker alone; the others must still be waited for.
+  pre = transforms.Preprocess(32, (0.5,) * 3, (0.5,) * 3, crop_only=True).to_uint8
+  marker = str(tmp_path / "w")
+  ld = loader.Loader([_SlowToStart(folder, marker)], pre, batch_size=8, workers=3, processes=True)
+  try:
+    ld.start_workers()
+    with open(marker + ".ready") as f:
+      ready = set(f.read().split())
+    assert ready == {str(p.pid) for p in ld._pool._processes.values()} and len(ready) == 3
+  finally:
+    ld.close()
 
 
 def test_throughput_starts_every_worker_and_the_stream_keeps_them(folder):

@@ -33,9 +33,10 @@ def parser(prog: str, description: str, presets: dict) -> ArgumentParser:
   p.add_argument("--resume", action="store_true", help="continue an interrupted run in --output")
   p.add_argument("--checkpoint-every", type=int, help="save progress every N batches (default 50)")
   p.add_argument("--workers", type=int, help="decode threads or processes (default: all cores)")
-  p.add_argument("--loader", choices=["threads", "processes"],
-                 help="decode in threads (default) or worker processes, which are not held back by the GIL "
-                      "(for hosts with many cores feeding a GPU); the results are the same")
+  p.add_argument("--loader", choices=["auto", "threads", "processes"],
+                 help="decode in threads or worker processes, which are not held back by the GIL (for hosts with "
+                      "many cores feeding a GPU); default auto: processes on a GPU/TPU host with 8+ cores, else "
+                      "threads; the results are the same")
   p.add_argument("--imbalance-ratio", type=float, help="label_shifts: ir (default 500000)")
   p.add_argument("--label-shift-indices", help="label_shifts: a SAR index file (.npy) instead of the generator")
   p.add_argument("--tfds-data-dir", help="--data tfds: where the prepared TFDS datasets live")
@@ -87,7 +88,7 @@ def config_from_args(a, presets: dict, defaults: Optional[dict] = None):
                checkpoint_every=a.checkpoint_every, workers=a.workers, imbalance_ratio=a.imbalance_ratio,
                label_shift_indices=a.label_shift_indices, tfds_data_dir=a.tfds_data_dir, image_list=a.image_list,
                source_data=a.source_data, source_images=a.source_images, dtype=a.dtype, attention=a.attention,
-               loader=a.loader, row_chunk=a.row_chunk)
+               loader=a.loader or "auto", row_chunk=a.row_chunk)
   kw.update({k: v for k, v in flags.items() if v is not None})
   if a.methods:
     kw["methods"] = parse_methods(a.methods)

@@ -82,7 +82,7 @@ def builtin_run(a) -> int:
         shuffle=not a.no_shuffle, save_predictions=a.save_predictions, resume=a.resume,
         checkpoint_every=a.checkpoint_every or 50, workers=a.workers, progress=not a.no_progress,
         source_data=a.source_data, source_images=a.source_images, dtype=a.dtype or "float32",
-        attention=a.attention or "matmul", loader=a.loader or "threads", row_chunk=a.row_chunk)
+        attention=a.attention or "matmul", loader=a.loader or "auto", row_chunk=a.row_chunk)
     if len(orders) > 1:
       say(f"--- eval order: {order} (every method predicts {order} its update) ---", flush=True)
     results[order] = harness.run(cfg)
