@@ -18,7 +18,8 @@ XLA runs independent ops of a step concurrently, so JAX's per-op times can add u
 (measured on unprofiled steps). It also prints the step's floating-point work (XLA's cost analysis of the
 compiled step: the same math runs on both sides, weight gradients of frozen params excluded) as achieved
 GFLOP/s per framework, against each framework's own float32 GEMM rate on this machine (a 2048^3 matmul), the
-practical peak of the step's dominant operation.
+practical peak of the step's dominant operation; and XLA's memory analysis of the compiled step (per device:
+its arguments, outputs and temporaries, the activations kept for the backward among them).
 """
 
 from __future__ import annotations
@@ -60,9 +61,13 @@ def _computations(hlo: str) -> dict[str, str]:
 
 
 def classify_hlo(hlo: str, tokens: int) -> dict[str, str]:
-  """Kind of every instruction of the entry computation, from what it (or the computation it calls) does."""
+  """Kind of every instruction that runs as its own op, from what it (or the computation it calls) does.
+
+  That is every instruction of every computation (names are unique in a module; those inside fusions never
+  run alone, so never appear in a trace), except control flow: a ``while`` (``--row-chunk``'s loop over passes,
+  MEMO's over images), ``conditional`` or ``call`` spans the ops of its bodies, which are classified and
+  counted themselves."""
   comps = _computations(hlo)
-  entry = re.search(r"^ENTRY %?([\w.\-]+)", hlo, re.M).group(1)
 
   def body(text: str, depth: int = 0) -> str:
     called = re.findall(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-]+)", text)
@@ -70,9 +75,9 @@ def classify_hlo(hlo: str, tokens: int) -> dict[str, str]:
 
   tt = re.compile(rf"\b{tokens},{tokens}\]")
   kinds = {}
-  for line in comps[entry].splitlines():
+  for line in (ln for text in comps.values() for ln in text.splitlines()):
     m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = ", line)
-    if not m:
+    if not m or re.search(r"\s(?:while|conditional|call)\(", line):
       continue
     text = body(line)
     if " convolution(" in text:
@@ -142,15 +147,23 @@ def _wall(step, sync, steps: int) -> float:
 def profile_jax(a) -> dict:
   import jax
 
+  from pcsr_jax import engine
+
+  engine.use_cpu_devices(a.cpu_devices)
   model, params, x = st.jax_inputs(a.arch, a.batch_size)
-  step, sync, ad, placed, box = st.jax_step(a.method, model, params, x)
+  step, sync, ad, placed, box = st.jax_step(a.method, model, params, x, row_chunk=a.row_chunk)
   step()
   sync()
   lowered = ad.lower(box["state"], placed)
   compiled = lowered.compile()
-  flops = float(compiled.cost_analysis().get("flops", 0.0))
+  hlo = compiled.as_text()
+  # XLA's cost analysis counts a loop's body once, whatever its trip count (--row-chunk's passes, MEMO's
+  # images): no FLOP figure rather than a wrong one.
+  flops = 0.0 if re.search(r"\swhile\(", hlo) else float(compiled.cost_analysis().get("flops", 0.0))
   prompts = getattr(ad.method, "num_prompts", 0) or 0
-  kinds = classify_hlo(compiled.as_text(), model.config.num_patches + 1 + prompts)
+  kinds = classify_hlo(hlo, model.config.num_patches + 1 + prompts)
+  m = compiled.memory_analysis()  # the compiled program of one device (SPMD: each device runs its own copy)
+  memory = {k: getattr(m, f"{k}_size_in_bytes", 0) / 2**30 for k in ("argument", "output", "alias", "temp")}
   for _ in range(a.warmup):
     step()
   sync()
@@ -172,6 +185,7 @@ def profile_jax(a) -> dict:
       per_kind[kinds[op]] += e["dur"] / 1e3 / a.steps  # us -> ms per step
       per_op[op] += e["dur"] / 1e3 / a.steps
   return dict(framework="jax", version=jax.__version__, step_ms=1e3 * wall, flops=flops, kinds=dict(per_kind),
+              devices=len(jax.devices()), memory_gib=memory,
               top=[(op, kinds[op], ms) for op, ms in per_op.most_common(a.top)],
               gemm_gflops=gemm_gflops("jax"))
 
@@ -210,6 +224,9 @@ def parser() -> ArgumentParser:
   p.add_argument("--warmup", type=int, default=1)
   p.add_argument("--top", type=int, default=8, help="also list the N most expensive ops of each framework")
   p.add_argument("--frameworks", default="jax,torch")
+  p.add_argument("--cpu-devices", type=int, help="JAX: split the CPU into N devices sharing the batch (as "
+                 "step_throughput.py); their ops overlap, so the per-kind times add up to more than the wall")
+  p.add_argument("--row-chunk", type=int, help="JAX: run the model in passes of N rows (as step_throughput.py)")
   p.add_argument("--json", help="also write the results to this JSON file")
   p.add_argument("--worker", choices=["jax", "torch"], help="internal: profile one framework in this process")
   return p
@@ -237,8 +254,13 @@ def main(argv: Sequence[str] | None = None) -> int:
       raise UserError(f"{fw} worker failed: {(r.stderr.strip().splitlines() or ['no output'])[-1]}")
     res[fw] = json.loads(r.stdout.strip().splitlines()[-1])
   flops = res.get("jax", {}).get("flops")
+  devices = res.get("jax", {}).get("devices", 1)
   print(f"{a.method} step, {a.arch}, batch {a.batch_size}, float32, {a.steps} profiled steps"
-        + (f"; {flops / 1e9:.1f} GFLOP per step (XLA cost analysis)" if flops else ""))
+        + (f", JAX on {devices} CPU devices" if devices > 1 else "")
+        + (f", JAX in passes of {a.row_chunk} rows" if a.row_chunk else "")
+        + (f"; {flops / 1e9:.1f} GFLOP per step (XLA cost analysis)" if flops else
+           "; no FLOP count: the compiled step loops, and XLA's cost analysis counts a loop's body once"
+           if "jax" in res else ""))
   print(f"  {'ms per step':16s}" + "".join(f"{fw:>12s}" for fw in res))
   for k in KINDS:
     print(f"  {k:16s}" + "".join(f"{r['kinds'].get(k, 0.0):12.1f}" for r in res.values()))
@@ -249,6 +271,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   print(f"  {'GEMM GFLOP/s':16s}" + "".join(f"{r['gemm_gflops']:12.1f}" for r in res.values()))
   if "jax" in res and "torch" in res:
     print(f"  ratio JAX / PyTorch (wall, images/s): {res['torch']['step_ms'] / res['jax']['step_ms']:.2f}x")
+  if "jax" in res:
+    mem = res["jax"]["memory_gib"]
+    print(f"  JAX memory per device (XLA's analysis of the compiled step), GiB: arguments {mem['argument']:.2f}, "
+          f"outputs {mem['output']:.2f} ({mem['alias']:.2f} of them in the arguments' buffers), "
+          f"temporaries {mem['temp']:.2f}")
   for fw, r in res.items():
     print(f"  {fw} top ops (ms per step): " + "; ".join(f"{op} [{k}] {ms:.1f}" for op, k, ms in r["top"]))
   if a.json:

@@ -121,3 +121,24 @@ def test_input_pipeline_times_every_backend_on_the_same_output(capsys):
   assert got == {(o, p) for o in ("uint8", "float32") for p in ("loader", "loader-procs", "loader-procs-started")}
   for r in rows:
     assert float(r[4]) > 0 and r[6].strip() == "yes", r  # every pass gave the first pass's images, in order
+
+
+@pytest.mark.slow
+def test_profile_step_splits_a_step_by_kind_on_two_devices_in_passes(capsys, tmp_path):
+  import json
+
+  from benchmarks import profile_step
+
+  out_json = str(tmp_path / "p.json")
+  argv = ["--arch", "vit_tiny_patch32_224", "--batch-size", "4", "--method", "tent", "--frameworks", "jax",
+          "--steps", "1", "--warmup", "0", "--cpu-devices", "2", "--row-chunk", "2", "--json", out_json]
+  assert profile_step.main(argv) == 0
+  head = capsys.readouterr().out.splitlines()[0]
+  assert "JAX on 2 CPU devices" in head and "passes of 2 rows" in head and "no FLOP count" in head, head
+  r = json.load(open(out_json))["results"]["jax"]
+  assert r["devices"] == 2 and r["flops"] == 0 and r["step_ms"] > 0
+  assert r["memory_gib"]["argument"] > 0 and r["memory_gib"]["temp"] > 0
+  # The passes run in a loop: its body's ops are classified and counted (TENT's step is mostly the model's
+  # matmuls), not the loop as one op of the first kind its body contains.
+  assert set(r["kinds"]) <= set(profile_step.KINDS)
+  assert r["kinds"].get("dense", 0) > max(r["kinds"].get("conv", 0), r["kinds"].get("attention", 0)), r["kinds"]
