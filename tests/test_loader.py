@@ -140,3 +140,14 @@ def test_throughput_starts_every_worker_and_the_stream_keeps_them(folder):
     assert ld._pool is pool
   finally:
     ld.close()
+
+
+def test_start_workers_gives_up_in_one_line_when_the_workers_do_not_come_up(folder, tmp_path):
+  pre = transforms.Preprocess(32, (0.5,) * 3, (0.5,) * 3, crop_only=True).to_uint8
+  marker = str(tmp_path / "w")
+  ld = loader.Loader([_SlowToStart(folder, marker)], pre, batch_size=8, workers=2, processes=True)
+  try:
+    with pytest.raises(UserError, match=r"--loader processes: [01] of 2 worker processes answered within 0.3 s"):
+      ld.start_workers(timeout_s=0.3)  # the second worker takes a second to start
+  finally:
+    ld.close()

@@ -181,11 +181,15 @@ class Loader:
     answered; each is held 20 ms, so that one worker cannot answer a whole round alone."""
     pool, seen = self._process_pool(), set()
     deadline = time.monotonic() + timeout_s
-    while len(seen) < self.workers:
-      if time.monotonic() > deadline:
-        raise UserError(f"--loader processes: {len(seen)} of {self.workers} worker processes answered within "
-                        f"{timeout_s:.0f} s; use fewer --workers or --loader threads")
-      seen.update(pool.map(_worker_ping, [0.02] * self.workers))
+    try:
+      while len(seen) < self.workers:
+        left = deadline - time.monotonic()
+        if left <= 0:
+          raise cf.TimeoutError
+        seen.update(pool.map(_worker_ping, [0.02] * self.workers, timeout=left))
+    except cf.TimeoutError:
+      raise UserError(f"--loader processes: {len(seen)} of {self.workers} worker processes answered within "
+                      f"{timeout_s:g} s; use fewer --workers or --loader threads") from None
 
   def close(self) -> None:
     """Stops the worker processes, if any were started."""
