@@ -21,12 +21,11 @@ import hashlib
 import json
 import math
 import os
-import pickle
 import signal
 import socket
 import sys
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
 import jax
 import numpy as np
@@ -257,9 +256,9 @@ def _setup(cfg: RunConfig, log) -> _Setup:
   preprocess = spec.preprocess(meta)
   srcs = [s for _, s in domains]
   names = [n for n, _ in domains]
-  kind = loader_kind(cfg.loader, srcs, preprocess.to_uint8)
-  loader = Loader(srcs, preprocess.to_uint8, cfg.batch_size, workers=cfg.workers,  # uint8: normalized on device
-                  processes=kind == "processes")
+  loader = Loader(srcs, preprocess.to_uint8, cfg.batch_size, workers=cfg.workers)  # uint8: normalized on device
+  kind = loader_kind(cfg.loader, loader)
+  loader.processes = kind == "processes"
   decode_ips = loader.throughput(min(256, len(srcs[0])))
   log(f"data: {cfg.dataset} from {cfg.data}: {len(domains)} domain(s), {sum(len(s) for s in srcs):,} images; "
       f"decode + preprocess {decode_ips:.0f} img/s ({loader.workers} {kind})")
@@ -294,7 +293,7 @@ def _setup(cfg: RunConfig, log) -> _Setup:
                 config_json, decode_ips, exchange, meta)
 
 
-def loader_kind(loader: str, srcs: Sequence, preprocess: Callable) -> str:
+def loader_kind(loader: str, data: Loader) -> str:
   """``loader`` ("threads" or "processes") as given; "auto": worker processes on a GPU or TPU host with 8 or more
   cores, where a thread pool stalls at the GIL (an H200 host's 16 cores: the harness ran a bf16 ViT-B/16 source
   step at 1,487 img/s on threads, 5,109 on processes), and threads on a CPU backend (the cores run the step) or
@@ -304,8 +303,8 @@ def loader_kind(loader: str, srcs: Sequence, preprocess: Callable) -> str:
   if jax.default_backend() == "cpu" or (os.cpu_count() or 1) < 8:
     return "threads"
   try:
-    pickle.dumps((srcs, preprocess))
-  except Exception:  # e.g. a source holding a lock or an open handle: threads decode it in place
+    data.payload()  # kept for the workers: the sources are pickled once
+  except UserError:  # e.g. a source holding a lock or an open handle: threads decode it in place
     return "threads"
   return "processes"
 

@@ -305,15 +305,17 @@ def test_unit_progress_json_round_trip():
 def test_auto_loader_takes_processes_only_on_an_accelerator_host_with_cores_and_picklable_sources(monkeypatch):
   import threading
 
-  srcs, pre = [list(range(4))], abs
-  assert harness.loader_kind("threads", srcs, pre) == "threads"
-  assert harness.loader_kind("processes", srcs, pre) == "processes"
-  assert jax.default_backend() == "cpu" and harness.loader_kind("auto", srcs, pre) == "threads"
+  from pcsr_jax.data.loader import Loader
+
+  data, locked = Loader([list(range(4))], abs, 4), Loader([threading.Lock()], abs, 4)
+  assert harness.loader_kind("threads", data) == "threads"
+  assert harness.loader_kind("processes", data) == "processes"
+  assert jax.default_backend() == "cpu" and harness.loader_kind("auto", data) == "threads"
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   monkeypatch.setattr(harness.os, "cpu_count", lambda: 16)
-  assert harness.loader_kind("auto", srcs, pre) == "processes"
-  assert harness.loader_kind("auto", [threading.Lock()], pre) == "threads"  # cannot reach a worker
+  assert harness.loader_kind("auto", data) == "processes"
+  assert harness.loader_kind("auto", locked) == "threads"  # cannot reach a worker
   monkeypatch.setattr(harness.os, "cpu_count", lambda: 4)
-  assert harness.loader_kind("auto", srcs, pre) == "threads"
+  assert harness.loader_kind("auto", data) == "threads"
   with pytest.raises(UserError, match="--loader: expected threads, processes or auto, got 'fast'"):
     harness.RunConfig(data="x", checkpoint="y", output="z", loader="fast").validate()

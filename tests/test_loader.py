@@ -151,3 +151,39 @@ def test_start_workers_gives_up_in_one_line_when_the_workers_do_not_come_up(fold
       ld.start_workers(timeout_s=0.3)  # the second worker takes a second to start
   finally:
     ld.close()
+
+
+class _CountsPickling:
+  """A source that counts how often the parent process pickles it."""
+
+  pickled = 0
+
+  def __init__(self, src):
+    self.src, self.labels, self.names = src, src.labels, src.names
+
+  def __len__(self):
+    return len(self.src)
+
+  def __getstate__(self):
+    type(self).pickled += 1
+    return self.__dict__
+
+  def load(self, i):
+    return self.src.load(i)
+
+
+def test_auto_loader_and_workers_pickle_the_sources_once(folder, monkeypatch):
+  from pcsr_jax import harness
+
+  monkeypatch.setattr(harness.jax, "default_backend", lambda: "gpu")  # the rule under `auto` is what is tested
+  monkeypatch.setattr(harness.os, "cpu_count", lambda: 16)
+  pre = transforms.Preprocess(32, (0.5,) * 3, (0.5,) * 3, crop_only=True).to_uint8
+  ld = loader.Loader([_CountsPickling(folder)], pre, batch_size=8, workers=2)
+  try:
+    assert harness.loader_kind("auto", ld) == "processes" and _CountsPickling.pickled == 1
+    ld.processes = True
+    ld.start_workers()
+    assert sum(len(b.labels) for b in ld.batches(np.zeros(16, int), np.arange(16))) == 15  # 7th truncated
+    assert _CountsPickling.pickled == 1
+  finally:
+    ld.close()
