@@ -136,6 +136,28 @@ def shard_rows(prep: Prepared, x: Array) -> Array:
   return jax.lax.with_sharding_constraint(x, batch)
 
 
+def in_row_passes(prep: Prepared, fn: Callable[[Array], Any], images: Array) -> Any:
+  """``fn(images)`` computed in passes of ``prep.row_chunk`` rows, one after the other (`lax.map`; its reverse in
+  the backward pass), when the chunk divides the batch and splits over the mesh's devices; else in one pass.
+
+  Every forward of the model in a step goes through here (`Method.forward`, and the methods that read more
+  than the logits: CFA, AdaContrast, SPA, T3A, FOA), so ``--row-chunk`` holds for the whole step. ``fn`` must
+  treat rows independently (a ViT does: no batch statistics); if any of its outputs is not per row (leading
+  axis = the pass's rows, e.g. a sown batch statistic), the batch runs in one pass (the passes: dead code).
+  """
+  b, r = images.shape[0], prep.row_chunk
+  n_dev = prep.mesh.devices.size if prep.mesh is not None else 1
+  if not r or b <= r or b % r or r % n_dev:
+    return fn(images)
+  n = b // r
+  # Pass i takes rows i, i + n, i + 2n, ...: each device's rows (a contiguous block) feed every pass evenly.
+  passes = images.reshape((r, n) + images.shape[1:]).swapaxes(0, 1)
+  out = jax.lax.map(lambda x: fn(shard_rows(prep, x)), passes)
+  if any(v.ndim < 2 or v.shape[1] != r for v in jax.tree.leaves(out)):
+    return fn(images)
+  return jax.tree.map(lambda v: v.swapaxes(0, 1).reshape((b,) + v.shape[2:]), out)
+
+
 def split(params: Params, is_trainable: Callable[[Path], bool]) -> tuple[Params, Params]:
   """Splits a param tree into ``(frozen, trainable)`` nested dicts by path."""
   flat = traverse_util.flatten_dict(params)
@@ -327,7 +349,7 @@ class Method(abc.ABC):
     """Logits, plus the sown collections named in ``collect`` (e.g. PCSR's 'losses').
 
     With ``prep.row_chunk`` set and dividing the batch (and divided by the mesh's devices), the batch goes
-    through the model in passes of ``row_chunk`` rows, one after the other (`lax.map`; its reverse in the
+    through the model in passes of ``row_chunk`` rows, one after the other (`in_row_passes`; its reverse in the
     backward pass): the same logits up to float32 rounding of the weight gradients' sums, with each pass's
     activations small enough to stay in a CPU's caches (at batch 64 on 2 CPU cores, passes of 16 rows run
     Source's and TENT's steps 1.3x faster). The model's rows are independent (no batch statistics), so only
@@ -341,18 +363,7 @@ class Method(abc.ABC):
         return prep.model.apply(variables, x, mutable=list(collect))
       return prep.model.apply(variables, x), {}
 
-    b, r = images.shape[0], prep.row_chunk
-    n_dev = prep.mesh.devices.size if prep.mesh is not None else 1
-    if not r or b <= r or b % r or r % n_dev:
-      return apply(images)
-    n = b // r
-    # Pass i takes rows i, i + n, i + 2n, ...: each device's rows (a contiguous block) feed every pass evenly.
-    passes = images.reshape((r, n) + images.shape[1:]).swapaxes(0, 1)
-    logits, sown = jax.lax.map(lambda x: apply(shard_rows(prep, x)), passes)
-    if any(v.ndim < 2 or v.shape[1] != r for v in jax.tree.leaves(sown)):
-      return apply(images)  # a sown batch statistic: one pass (the unused passes are dead code to XLA)
-    rows = lambda v: v.swapaxes(0, 1).reshape((b,) + v.shape[2:])
-    return rows(logits), jax.tree.map(rows, sown)
+    return in_row_passes(prep, apply, images)
 
   @staticmethod
   def apply_gradients(prep: Prepared, state: AdaptState, grads: Params) -> AdaptState:

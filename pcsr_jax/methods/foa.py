@@ -45,7 +45,7 @@ import optax
 from pcsr_jax import losses
 from pcsr_jax.cmaes import CMAES, CMAState
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import Method, Prepared, merge
+from pcsr_jax.methods.base import Method, Prepared, in_row_passes, merge
 
 Array = jax.Array
 
@@ -134,7 +134,8 @@ class FOA(Method):
     reported logits (zeros: no shifting).
     """
     variables = {"params": frozen}
-    logits, cls = prep.model.apply(variables, images, prompts=prompts, return_cls=True)
+    logits, cls = in_row_passes(prep, lambda x: prep.model.apply(variables, x, prompts=prompts, return_cls=True),
+                                images)
     b, depth, d = cls.shape
     std, mean = masked_std_mean(cls.reshape(b, depth * d), valid)
     n = jnp.sum(valid)

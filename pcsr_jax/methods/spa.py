@@ -53,7 +53,7 @@ import numpy as np
 from pcsr_jax import losses
 from pcsr_jax.augment import spa_amplitude_mask, spa_patch_noise
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import Method, Prepared, group_sgd, is_layernorm_param, merge, parallel
+from pcsr_jax.methods.base import Method, Prepared, group_sgd, in_row_passes, is_layernorm_param, merge, parallel
 
 Array = jax.Array
 
@@ -184,9 +184,11 @@ class SPA(Method):
     params = merge(model_params(frozen), trainable)
     mparams = model_params(params)
     if logits is None:
-      logits = prep.model.apply({"params": mparams}, images)
+      logits = in_row_passes(prep, lambda x: prep.model.apply({"params": mparams}, x), images)
     noisy = self.noisy_view(noise_key, images, params[NOISE]["alpha"])
-    aug = apply_with_predictor(prep.model, mparams, params[PREDICTOR]["kernel"], jnp.concatenate([masked, noisy]))
+    kernel = params[PREDICTOR]["kernel"]
+    aug = in_row_passes(prep, lambda x: apply_with_predictor(prep.model, mparams, kernel, x),
+                        jnp.concatenate([masked, noisy]))
     b = images.shape[0]
     l_mask, s_mask = consistency_loss(logits, aug[:b], valid)
     l_noise, s_noise = consistency_loss(logits, aug[b:], valid)

@@ -43,7 +43,7 @@ import optax
 
 from pcsr_jax import losses
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import Method, Prepared, merge
+from pcsr_jax.methods.base import Method, Prepared, in_row_passes, merge
 
 Array = jax.Array
 
@@ -135,7 +135,7 @@ class T3A(Method):
 
   def update(self, prep, frozen, state, images, valid):
     params = merge(frozen, state.trainable)
-    z = prep.model.apply({"params": params}, images, pre_logits=True)
+    z = in_row_passes(prep, lambda x: prep.model.apply({"params": params}, x, pre_logits=True), images)
     kernel, bias = head_weights(prep.model, params)
     head_logits = z @ kernel + bias
     ent = losses.entropy(head_logits)
