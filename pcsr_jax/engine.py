@@ -27,8 +27,8 @@
   fewer bytes to transfer) are normalized inside the compiled step with the
   checkpoint's ``mean``/``std`` given to the Adapter, by a lookup in
   `transforms.normalize_table`: bit for bit the host's `Preprocess.normalize`.
-* ``row_chunk=N`` runs the model over each batch in passes of N rows (`Method.forward`): the same step up
-  to float32 rounding, faster on CPUs at large batches (the activations of a pass stay in the caches).
+* ``row_chunk=N`` runs every forward of the step in passes of N rows (`methods.base.in_row_passes`): the same
+  step up to float32 rounding, faster on CPUs at large batches (the activations of a pass stay in the caches).
 """
 
 from __future__ import annotations

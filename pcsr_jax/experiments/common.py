@@ -53,7 +53,7 @@ def parser(prog: str, description: str, presets: dict) -> ArgumentParser:
   p.add_argument("--attention", help="attention kernel: matmul (default), xla, or cudnn (GPU, with bfloat16)")
   p.add_argument("--cpu-devices", type=int, help="on a CPU: split it into N JAX devices sharing each batch (one per "
                  "core is fastest; default 1)")
-  p.add_argument("--row-chunk", type=int, help="run the model over each batch in passes of N rows (a divisor of "
+  p.add_argument("--row-chunk", type=int, help="run every forward of the model in passes of N rows (a divisor of "
                  "the batch size): on a CPU, 16 at batch 64 keeps the activations in the caches (faster; float32 "
                  "rounding differs from one pass)")
   g = p.add_argument_group("multi-process runs (jax.distributed; one process per host, a shared --output)")
