@@ -47,8 +47,7 @@ import optax
 
 from pcsr_jax import augment
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import AdaptState, Method, Prepared, in_row_passes, merge
-from pcsr_jax.models.vit import features_and_logits
+from pcsr_jax.methods.base import AdaptState, Method, Prepared, features_and_logits, merge
 
 Array = jax.Array
 
@@ -178,14 +177,11 @@ class AdaContrast(Method):
     weak, strong_q, strong_k = views
     ex: AdaContrastState = state.extra
 
-    def feats_and_logits(params, x):  # each forward in passes of `--row-chunk` rows
-      return in_row_passes(prep, lambda v: features_and_logits(prep.model, params, v), x)
-
     n = jnp.sum(valid.astype(jnp.int32))
     w = valid.astype(jnp.float32)
     mean_valid = lambda x: jnp.sum(x * w) / jnp.maximum(jnp.sum(w), 1.0)
 
-    feats_w, logits_w = feats_and_logits(merge(frozen, state.trainable), weak)
+    feats_w, logits_w = features_and_logits(prep, merge(frozen, state.trainable), weak)
     probs_w = jax.nn.softmax(logits_w)
     use_knn = ex.seen >= self.warmup
     refined = knn_probs(feats_w, ex.bank_feats, ex.bank_probs, ex.bank_filled, self.num_neighbors)
@@ -193,14 +189,14 @@ class AdaContrast(Method):
     seen = jnp.where(use_knn, ex.seen, ex.seen + n)
 
     momentum = jax.tree.map(lambda k, q: k * self.ema + q * (1.0 - self.ema), ex.momentum, state.trainable)
-    keys = l2_normalize(feats_and_logits(merge(frozen, momentum), strong_k)[0])
+    keys = l2_normalize(features_and_logits(prep, merge(frozen, momentum), strong_k)[0])
     old_queue = ex.queue
     queue, _ = ring_write(ex.queue, ex.queue_ptr, keys, valid)
     queue_labels, queue_ptr = ring_write(ex.queue_labels, ex.queue_ptr, labels, valid)
     mask = class_aware_mask(labels, queue_labels)
 
     def loss_fn(trainable):
-      feats_q, logits_q = feats_and_logits(merge(frozen, trainable), strong_q)
+      feats_q, logits_q = features_and_logits(prep, merge(frozen, trainable), strong_q)
       logits_ins = instance_logits(l2_normalize(feats_q), keys, old_queue, self.temperature)
       logits_ins = jnp.where(mask, logits_ins, -jnp.inf)
       loss_ins = mean_valid(-jax.nn.log_softmax(logits_ins, axis=1)[:, 0])
@@ -215,7 +211,7 @@ class AdaContrast(Method):
         state.trainable)
     state = self.apply_gradients(prep, state, grads)
 
-    feats_b, logits_b = feats_and_logits(merge(frozen, momentum), weak)
+    feats_b, logits_b = features_and_logits(prep, merge(frozen, momentum), weak)
     bank_feats, bank_ptr = ring_write(ex.bank_feats, ex.bank_ptr, feats_b, valid)
     bank_probs, _ = ring_write(ex.bank_probs, ex.bank_ptr, jax.nn.softmax(logits_b), valid)
     extra = AdaContrastState(momentum=momentum, queue=queue, queue_labels=queue_labels, queue_ptr=queue_ptr,

@@ -34,6 +34,7 @@ import optax
 from flax import traverse_util
 
 from pcsr_jax import losses
+from pcsr_jax.models import vit
 
 Array = jax.Array
 Params = Any
@@ -137,13 +138,14 @@ def shard_rows(prep: Prepared, x: Array) -> Array:
 
 
 def in_row_passes(prep: Prepared, fn: Callable[[Array], Any], images: Array) -> Any:
-  """``fn(images)`` computed in passes of ``prep.row_chunk`` rows, one after the other (`lax.map`; its reverse in
-  the backward pass), when the chunk divides the batch and splits over the mesh's devices; else in one pass.
+  """``fn(images)`` computed in passes of ``prep.row_chunk`` rows, one after the other (and their backward passes
+  in reverse), when the chunk divides the batch and splits over the mesh's devices; else in one pass.
 
-  Every forward of the model in a step goes through here (`Method.forward`, and the methods that read more
-  than the logits: CFA, AdaContrast, SPA, T3A, FOA), so ``--row-chunk`` holds for the whole step. ``fn`` must
-  treat rows independently (a ViT does: no batch statistics); if any of its outputs is not per row (leading
-  axis = the pass's rows, e.g. a sown batch statistic), the batch runs in one pass (the passes: dead code).
+  Every forward of the model in a step goes through here (`Method.forward`, `features_and_logits`, and the
+  other methods that read more than the logits: SPA, T3A, FOA), so ``--row-chunk`` holds for the whole step
+  (`tests/test_engine.py` lowers every method's step to check it). ``fn`` must treat rows independently (a
+  ViT does: no batch statistics); if any of its outputs is not per row (leading axis = the pass's rows, e.g.
+  a sown batch statistic), the batch runs in one pass (the passes: dead code).
   """
   b, r = images.shape[0], prep.row_chunk
   n_dev = prep.mesh.devices.size if prep.mesh is not None else 1
@@ -152,10 +154,22 @@ def in_row_passes(prep: Prepared, fn: Callable[[Array], Any], images: Array) -> 
   n = b // r
   # Pass i takes rows i, i + n, i + 2n, ...: each device's rows (a contiguous block) feed every pass evenly.
   passes = images.reshape((r, n) + images.shape[1:]).swapaxes(0, 1)
-  out = jax.lax.map(lambda x: fn(shard_rows(prep, x)), passes)
+  # Unrolled, not a `lax.map`: a loop stacks every pass's residuals into one buffer for the backward pass and
+  # slices them out again, copies that took a fifth of TENT's non-matmul time at ViT-S/16 batch 64 (`python
+  # benchmarks/profile_step.py --arch vit_small_patch16_224 --batch-size 64 --method tent --row-chunk 16`).
+  # Unrolled, each pass keeps its own buffers: TENT's step there ran 6% faster (4 alternating runs of each), SAR's
+  # 14% (one run of each), for a 25% longer compile.
+  outs = [fn(shard_rows(prep, passes[i])) for i in range(n)]
+  out = jax.tree.map(lambda *v: jnp.stack(v), *outs)
   if any(v.ndim < 2 or v.shape[1] != r for v in jax.tree.leaves(out)):
     return fn(images)
   return jax.tree.map(lambda v: v.swapaxes(0, 1).reshape((b,) + v.shape[2:]), out)
+
+
+def features_and_logits(prep: Prepared, params: Params, images: Array) -> tuple[Array, Array]:
+  """``(feature, logits)`` as `models.vit.features_and_logits` (the head's input and the logits from it), the
+  model run in passes of ``prep.row_chunk`` rows (`in_row_passes`): CFA and AdaContrast read both."""
+  return in_row_passes(prep, lambda x: vit.features_and_logits(prep.model, params, x), images)
 
 
 def split(params: Params, is_trainable: Callable[[Path], bool]) -> tuple[Params, Params]:
@@ -349,8 +363,8 @@ class Method(abc.ABC):
     """Logits, plus the sown collections named in ``collect`` (e.g. PCSR's 'losses').
 
     With ``prep.row_chunk`` set and dividing the batch (and divided by the mesh's devices), the batch goes
-    through the model in passes of ``row_chunk`` rows, one after the other (`in_row_passes`; its reverse in the
-    backward pass): the same logits up to float32 rounding of the weight gradients' sums, with each pass's
+    through the model in passes of ``row_chunk`` rows, one after the other (`in_row_passes`; their backward
+    passes in reverse): the same logits up to float32 rounding of the weight gradients' sums, with each pass's
     activations small enough to stay in a CPU's caches (at batch 64 on 2 CPU cores, passes of 16 rows run
     Source's and TENT's steps 1.3x faster). The model's rows are independent (no batch statistics), so only
     the order of the work changes. Sown values must be per row (PCSR's per-sample similarity); any other runs

@@ -35,8 +35,7 @@ import numpy as np
 import optax
 
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import Method, Prepared, in_row_passes, is_layernorm_param, merge, sgd
-from pcsr_jax.models.vit import features_and_logits
+from pcsr_jax.methods.base import Method, Prepared, features_and_logits, is_layernorm_param, merge, sgd
 
 SAVE_MAX_MOMENT = 5  # main.py --save_max_moment: the statistics hold moments 1..5
 VALUE_RANGE = 2.0  # value_max - value_min of tanh's output
@@ -101,8 +100,7 @@ class CFA(Method):
   @staticmethod
   def features(prep: Prepared, frozen: Any, trainable: Any, images: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(logits, h)``: the model's logits and the standardized head input."""
-    params = merge(frozen, trainable)
-    z, logits = in_row_passes(prep, lambda x: features_and_logits(prep.model, params, x), images)
+    z, logits = features_and_logits(prep, merge(frozen, trainable), images)
     return logits, standardize(z)
 
   def compute_source_stats(self, prep: Prepared, frozen: Any, trainable: Any,
