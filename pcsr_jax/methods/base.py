@@ -158,7 +158,7 @@ def in_row_passes(prep: Prepared, fn: Callable[[Array], Any], images: Array) -> 
   # slices them out again, copies that took a fifth of TENT's non-matmul time at ViT-S/16 batch 64 (`python
   # benchmarks/profile_step.py --arch vit_small_patch16_224 --batch-size 64 --method tent --row-chunk 16`).
   # Unrolled, each pass keeps its own buffers: TENT's step there ran 6% faster (4 alternating runs of each), SAR's
-  # 14% (one run of each), for a 25% longer compile.
+  # 14% (one run of each); their compiles took a third to a half longer (each pass is compiled on its own).
   outs = [fn(shard_rows(prep, passes[i])) for i in range(n)]
   out = jax.tree.map(lambda *v: jnp.stack(v), *outs)
   if any(v.ndim < 2 or v.shape[1] != r for v in jax.tree.leaves(out)):
