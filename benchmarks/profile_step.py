@@ -64,8 +64,8 @@ def classify_hlo(hlo: str, tokens: int) -> dict[str, str]:
   """Kind of every instruction that runs as its own op, from what it (or the computation it calls) does.
 
   That is every instruction of every computation (names are unique in a module; those inside fusions never
-  run alone, so never appear in a trace), except control flow: a ``while`` (``--row-chunk``'s loop over passes,
-  MEMO's over images), ``conditional`` or ``call`` spans the ops of its bodies, which are classified and
+  run alone, so never appear in a trace), except control flow: a ``while`` (MEMO's loop over images, ROID's and
+  DeYO's over kept-row chunks), ``conditional`` or ``call`` spans the ops of its bodies, which are classified and
   counted themselves."""
   comps = _computations(hlo)
 
@@ -157,8 +157,8 @@ def profile_jax(a) -> dict:
   lowered = ad.lower(box["state"], placed)
   compiled = lowered.compile()
   hlo = compiled.as_text()
-  # XLA's cost analysis counts a loop's body once, whatever its trip count (--row-chunk's passes, MEMO's
-  # images): no FLOP figure rather than a wrong one.
+  # XLA's cost analysis counts a loop's body once, whatever its trip count (MEMO's images, ROID's kept-row
+  # chunks): no FLOP figure rather than a wrong one. --row-chunk's passes are unrolled, so they are counted.
   flops = 0.0 if re.search(r"\swhile\(", hlo) else float(compiled.cost_analysis().get("flops", 0.0))
   prompts = getattr(ad.method, "num_prompts", 0) or 0
   kinds = classify_hlo(hlo, model.config.num_patches + 1 + prompts)

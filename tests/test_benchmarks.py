@@ -129,16 +129,21 @@ def test_profile_step_splits_a_step_by_kind_on_two_devices_in_passes(capsys, tmp
 
   from benchmarks import profile_step
 
-  out_json = str(tmp_path / "p.json")
-  argv = ["--arch", "vit_tiny_patch32_224", "--batch-size", "4", "--method", "tent", "--frameworks", "jax",
-          "--steps", "1", "--warmup", "0", "--cpu-devices", "2", "--row-chunk", "2", "--json", out_json]
-  assert profile_step.main(argv) == 0
-  head = capsys.readouterr().out.splitlines()[0]
-  assert "JAX on 2 CPU devices" in head and "passes of 2 rows" in head and "no FLOP count" in head, head
-  r = json.load(open(out_json))["results"]["jax"]
-  assert r["devices"] == 2 and r["flops"] == 0 and r["step_ms"] > 0
-  assert r["memory_gib"]["argument"] > 0 and r["memory_gib"]["temp"] > 0
-  # The passes run in a loop: its body's ops are classified and counted (TENT's step is mostly the model's
-  # matmuls), not the loop as one op of the first kind its body contains.
-  assert set(r["kinds"]) <= set(profile_step.KINDS)
-  assert r["kinds"].get("dense", 0) > max(r["kinds"].get("conv", 0), r["kinds"].get("attention", 0)), r["kinds"]
+  flops = {}
+  for chunk in (2, None):
+    out_json = str(tmp_path / f"p{chunk}.json")
+    argv = ["--arch", "vit_tiny_patch32_224", "--batch-size", "4", "--method", "tent", "--frameworks", "jax",
+            "--steps", "1", "--warmup", "0", "--cpu-devices", "2", "--json", out_json]
+    assert profile_step.main(argv + (["--row-chunk", str(chunk)] if chunk else [])) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert "JAX on 2 CPU devices" in head and "GFLOP per step" in head, head
+    assert ("passes of 2 rows" in head) == bool(chunk), head
+    r = json.load(open(out_json))["results"]["jax"]
+    assert r["devices"] == 2 and r["step_ms"] > 0
+    assert r["memory_gib"]["argument"] > 0 and r["memory_gib"]["temp"] > 0
+    # Every op is classified and counted (TENT's step is mostly the model's matmuls).
+    assert set(r["kinds"]) <= set(profile_step.KINDS)
+    assert r["kinds"].get("dense", 0) > max(r["kinds"].get("conv", 0), r["kinds"].get("attention", 0)), r["kinds"]
+    flops[chunk] = r["flops"]
+  # The passes are unrolled (no loop whose body XLA's cost analysis would count once): the same work counted.
+  assert flops[None] > 0 and abs(flops[2] / flops[None] - 1) < 0.02, flops
