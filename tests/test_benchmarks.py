@@ -144,6 +144,45 @@ def test_profile_step_splits_a_step_by_kind_on_two_devices_in_passes(capsys, tmp
     # Every op is classified and counted (TENT's step is mostly the model's matmuls).
     assert set(r["kinds"]) <= set(profile_step.KINDS)
     assert r["kinds"].get("dense", 0) > max(r["kinds"].get("conv", 0), r["kinds"].get("attention", 0)), r["kinds"]
-    flops[chunk] = r["flops"]
-  # The passes are unrolled (no loop whose body XLA's cost analysis would count once): the same work counted.
-  assert flops[None] > 0 and abs(flops[2] / flops[None] - 1) < 0.02, flops
+    flops[chunk] = r["flops"], r["executed_flops"]
+  # The passes are unrolled (no loop whose body XLA's cost analysis would count once): the same work counted;
+  # the dots and convolutions that ran (from the trace, both devices) are all of it but the elementwise ops.
+  (cost2, run2), (cost1, run1) = flops[2], flops[None]
+  assert cost1 > 0 and abs(cost2 / cost1 - 1) < 0.02, flops
+  assert run1 > 0 and abs(run2 / run1 - 1) < 1e-9 and 0.8 * cost1 < run1 < cost1, flops
+
+
+def _forward_flops(arch: str, batch: int, prompts: int = 0) -> float:
+  """FLOPs of a ViT forward's matmuls and patch convolution, counted by hand from the architecture."""
+  from pcsr_jax.models import get_config
+
+  c = get_config(arch)
+  t, d, m = c.num_patches + 1 + prompts, c.embed_dim, c.mlp_dim
+  block = 2 * t * d * 3 * d + 2 * t * d * d + 2 * 2 * t * d * m + 2 * 2 * t * t * d  # qkv, proj, fc1+fc2, QK^T+AV
+  patch = 2 * c.num_patches * c.patch_size**2 * c.in_chans * d
+  return batch * (c.depth * block + patch + 2 * d * c.num_classes)
+
+
+@pytest.mark.slow
+def test_profile_step_counts_the_executed_work_of_every_pass_of_a_loop(capsys, tmp_path):
+  import json
+
+  from benchmarks import profile_step
+
+  out_json = str(tmp_path / "p.json")
+  argv = ["--arch", "vit_tiny_patch32_224", "--batch-size", "4", "--method", "source,foa", "--frameworks", "jax",
+          "--steps", "1", "--warmup", "0", "--top", "1", "--json", out_json]
+  assert profile_step.main(argv) == 0
+  out = capsys.readouterr().out
+  runs = {m: r["jax"]["executed_flops"] for m, r in json.load(open(out_json))["methods"].items()}
+  # Source: one forward, every dot and the patch convolution as counted by hand. FOA on a CPU forwards its 28
+  # candidate prompt sets one at a time in a loop (3 prompt tokens each): every iteration counted, not the body
+  # once. The patch embedding runs once (the prompts join after it; XLA hoists it out of the loop); CMA-ES's
+  # own small matmuls and the candidates' shifted heads add well under 1%.
+  arch, patch = "vit_tiny_patch32_224", 2 * 4 * 49 * 32 * 32 * 3 * 192
+  assert runs["source"] == _forward_flops(arch, 4), runs
+  loop = 28 * (_forward_flops(arch, 4, prompts=3) - patch) + patch
+  assert loop <= runs["foa"] < 1.005 * loop, (runs, loop)
+  assert "no cost analysis: the compiled step loops" in out.split("foa step")[1].splitlines()[0]
+  rows = {r.split("|")[1].strip(): r.split("|")[2].strip() for r in out.splitlines() if r.startswith("| ")}
+  assert rows["source"] == f"{runs['source'] / 1e9:.1f}" and rows["foa"] == f"{runs['foa'] / 1e9:.1f}", rows
