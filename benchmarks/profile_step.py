@@ -321,7 +321,7 @@ def profile(a, argv: Sequence[str], method: str) -> dict:
 
 
 def summary(a, table: dict[str, dict]) -> None:
-  """One row per method: the executed work and each framework's rate against its own GEMM peak."""
+  """One row per method: the executed work and each framework's rate against its best GEMM reading of the run."""
   fws = [fw for fw in ("jax", "torch") if any(fw in r for r in table.values())]
   name = {"jax": "JAX", "torch": "PyTorch"}
   # Each worker times the GEMM after its steps, and one reading can come out low on a shared machine: the
