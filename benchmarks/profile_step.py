@@ -283,9 +283,7 @@ def parser() -> ArgumentParser:
 def profile(a, argv: Sequence[str], method: str) -> dict:
   """Both frameworks' profiles of ``method``'s step, each in its own subprocess; prints them."""
   res = {}
-  for fw in [f.strip() for f in a.frameworks.split(",") if f.strip()]:
-    if fw not in ("jax", "torch"):
-      raise UserError(f"--frameworks: unknown framework '{fw}' (expected jax, torch)")
+  for fw in st.parse_frameworks(a.frameworks):
     cmd = [sys.executable, os.path.abspath(__file__)] + list(argv) + ["--worker", fw, "--method", method]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
@@ -346,7 +344,6 @@ def main(argv: Sequence[str] | None = None) -> int:
   argv = list(argv if argv is not None else sys.argv[1:])
   a = parser().parse_args(argv)
   from pcsr_jax import methods
-  from pcsr_jax.experiments.common import parse_methods
   from pcsr_jax.models import get_config
 
   get_config(a.arch)
@@ -356,9 +353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     methods.get(a.method)
     print(json.dumps(profile_jax(a) if a.worker == "jax" else profile_torch(a)))
     return 0
-  chosen = parse_methods(a.method)  # one name, a comma-separated list, or "all"
-  for m in chosen:
-    methods.get(m)  # an unknown name: one line naming it, before any worker starts
+  st.parse_frameworks(a.frameworks)
+  chosen = st.chosen_methods(a.method)
   table = {}
   for i, m in enumerate(chosen):
     if i:

@@ -313,16 +313,34 @@ def _fmt_ips(ips: float) -> str:
   return f"{ips:.{2 if ips >= 1 else 4}f}"
 
 
+def parse_frameworks(text: str) -> list[str]:
+  """``--frameworks``: comma-separated names, each ``jax`` or ``torch``."""
+  fws = [f.strip() for f in text.split(",") if f.strip()]
+  for fw in fws:
+    if fw not in ("jax", "torch"):
+      raise UserError(f"--frameworks: unknown framework '{fw}' (expected jax, torch)")
+  return fws
+
+
+def chosen_methods(text: str) -> tuple[str, ...]:
+  """``--method``: one registered name, a comma-separated list, or ``all``; an unknown name is a one-line error
+  naming it, before any worker starts."""
+  from pcsr_jax import methods
+  from pcsr_jax.experiments.common import parse_methods
+
+  chosen = parse_methods(text)
+  for m in chosen:
+    methods.get(m)
+  return chosen
+
+
 def measure(a, method: str, argv: Sequence[str]) -> dict:
   """Both frameworks' figures for one method, each framework in its own subprocess (``a.rounds`` times each,
   the fastest round kept); prints them."""
   from pcsr_jax import methods
 
   cost = methods.get(method).cost
-  fws = [f.strip() for f in a.frameworks.split(",") if f.strip()]
-  for fw in fws:
-    if fw not in ("jax", "torch"):
-      raise UserError(f"--frameworks: unknown framework '{fw}' (expected jax, torch)")
+  fws = parse_frameworks(a.frameworks)
   runs: dict[str, list[dict]] = {fw: [] for fw in fws}
   for fw in round_order(fws, a.rounds):
     cmd = [sys.executable, os.path.abspath(__file__)] + list(argv) + ["--worker", fw, "--method", method,
@@ -352,7 +370,6 @@ def measure(a, method: str, argv: Sequence[str]) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   a = parser().parse_args(argv)
-  from pcsr_jax.experiments.common import parse_methods
   from pcsr_jax.models import get_config
 
   get_config(a.arch)  # validate before spawning workers
@@ -361,11 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   if a.worker:
     print(json.dumps(run_jax(a) if a.worker == "jax" else run_torch(a)))
     return 0
-  from pcsr_jax import methods
-
-  chosen = parse_methods(a.method)  # one name, a comma-separated list, or "all"
-  for m in chosen:
-    methods.get(m)  # an unknown name: one line naming it, before any worker starts
+  chosen = chosen_methods(a.method)
   table = {}
   for m in chosen:
     steps, warmup = (HEAVY_STEPS, 0) if len(chosen) > 1 and m in HEAVY else (a.steps, a.warmup)
