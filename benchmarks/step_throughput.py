@@ -16,6 +16,8 @@ figures can move by 10-30% (a slow spell of the machine), and the spell then
 lands on one round, not on one framework's only figure.
 ``--cpu-devices N`` splits the CPU into N JAX devices sharing the batch (one per
 core is XLA:CPU's fastest setting; PyTorch uses all cores' threads either way).
+On a CPU-only host the command restarts under `pcsr_jax.malloc.TUNABLES` (as every command does) and both
+workers inherit them; ``PCSR_JAX_MALLOC=system`` runs both under glibc's defaults.
 """
 
 from __future__ import annotations

@@ -29,7 +29,11 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def run_cli(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None) -> NoReturn:
-  """Runs a CLI entry point, turning `UserError` into a one-line message and exit 2."""
+  """Runs a CLI entry point, turning `UserError` into a one-line message and exit 2. First, on a CPU-only
+  Linux host, restarts the command under `pcsr_jax.malloc.TUNABLES` (XLA:CPU's step buffers reused)."""
+  from pcsr_jax import malloc
+
+  malloc.reexec()
   try:
     code = main(argv)
   except UserError as e:

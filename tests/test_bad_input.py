@@ -265,3 +265,10 @@ def test_convert_weights_bad_tensors(tmp_path):
     r = convert(name, tensors, *flags, out=out)
     assert r.returncode == 2 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, (name, r.stderr)
     assert not os.path.exists(str(out or tmp_path / f"out_{name}"))
+
+
+def test_builtin_run_rejects_a_batch_size_of_zero(tmp_path):
+  # 0 once fell back to the default batch size (a falsy `or`) and ran the whole built-in benchmark.
+  with pytest.raises(UserError, match="--batch-size"):
+    main(["--batch-size", "0", "--output", str(tmp_path / "out"), "--no-progress"])
+  assert not (tmp_path / "out" / "results.json").exists()
