@@ -6,7 +6,7 @@ request from the thread's own arena, which cannot hold a block over 64 MB, so it
 them when the step ends: every step faults in and zeroes its whole working memory again (226,000 page faults
 and 0.4 s of kernel time per step on 2 cores, where PyTorch's step has 21,000). With one arena, no ``mmap``
 and no trimming, the freed block stays in the heap and the next step takes it back: no faults, and the same
-arithmetic (`benchmarks/step_throughput.py --malloc`, README "Step throughput").
+arithmetic (``PCSR_JAX_MALLOC=system`` against the default: README, "glibc's malloc on a CPU host").
 
 glibc reads these settings (``GLIBC_TUNABLES``) once, at process start, so `reexec` starts the command again
 with them. It does so only where JAX will run on the CPU (no accelerator plugin installed, or
