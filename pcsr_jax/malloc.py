@@ -22,7 +22,7 @@ import importlib.util
 import os
 import platform
 import sys
-from typing import Mapping, MutableMapping
+from typing import Mapping
 
 # One arena (the main one, whose heap can grow to any size), never mmap, never give the top of the heap back.
 TUNABLES = "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1099511627776"
@@ -34,12 +34,17 @@ def _accelerator_installed() -> bool:
   return bool(importlib.metadata.entry_points(group="jax_plugins")) or importlib.util.find_spec("libtpu") is not None
 
 
+def on_glibc() -> bool:
+  """Whether this process runs on Linux with glibc, whose settings these are (elsewhere nothing is done)."""
+  return sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
+
+
 def wanted(env: Mapping[str, str]) -> bool:
   """Whether a process started with ``env`` should get `TUNABLES`: glibc, CPU-only JAX, not opted out, and
   not set already (by us or by the user)."""
   if env.get(OPT_OUT, "tuned") == "system":
     return False
-  if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+  if not on_glibc():
     return False
   if "glibc.malloc." in env.get("GLIBC_TUNABLES", ""):
     return False
@@ -55,12 +60,13 @@ def tuned_env(env: Mapping[str, str]) -> dict[str, str]:
   return out
 
 
-def reexec(environ: MutableMapping[str, str] = os.environ) -> None:
+def reexec(environ: Mapping[str, str] = os.environ) -> None:
   """Replaces this process with the same command line under `TUNABLES`, where `wanted`; else returns. Call
   first thing in a command (before JAX starts, so nothing is lost); the new process finds the settings in its
   environment and goes on."""
-  if not wanted(environ):
+  env = tuned_env(environ)
+  if env.get("GLIBC_TUNABLES") == environ.get("GLIBC_TUNABLES"):
     return
   sys.stdout.flush()
   sys.stderr.flush()
-  os.execve(sys.executable, list(sys.orig_argv), tuned_env(environ))
+  os.execve(sys.executable, list(sys.orig_argv), env)

@@ -267,8 +267,9 @@ def test_convert_weights_bad_tensors(tmp_path):
     assert not os.path.exists(str(out or tmp_path / f"out_{name}"))
 
 
-def test_builtin_run_rejects_a_batch_size_of_zero(tmp_path):
-  # 0 once fell back to the default batch size (a falsy `or`) and ran the whole built-in benchmark.
-  with pytest.raises(UserError, match="--batch-size"):
-    main(["--batch-size", "0", "--output", str(tmp_path / "out"), "--no-progress"])
+@pytest.mark.parametrize("flag", ["--batch-size", "--severity", "--images", "--checkpoint-every"])
+def test_builtin_run_rejects_a_zero(tmp_path, flag):
+  # 0 once fell back to the flag's default (a falsy `or`), and the whole built-in benchmark ran at it.
+  with pytest.raises(UserError, match=flag):
+    main([flag, "0", "--output", str(tmp_path / "out"), "--no-progress"])
   assert not (tmp_path / "out" / "results.json").exists()

@@ -3,7 +3,6 @@ sets them."""
 
 import json
 import os
-import platform
 import subprocess
 import sys
 
@@ -13,8 +12,7 @@ from pcsr_jax import malloc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU = {"JAX_PLATFORMS": "cpu"}
-# The settings are glibc's; elsewhere nothing is done.
-pytestmark = pytest.mark.skipif(sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
+pytestmark = pytest.mark.skipif(not malloc.on_glibc(), reason="glibc's settings: elsewhere nothing is done")
 
 
 def test_tunables_added_once_and_only_where_wanted():

@@ -36,6 +36,12 @@ PRESETS = {
 }
 
 
+def _given(value, default):
+  """A number flag's value, or ``default`` where it was not given: 0 is a value (the harness rejects it), not
+  "unset", as a falsy ``or`` would read it."""
+  return default if value is None else value
+
+
 def builtin_run(a) -> int:
   """No --data: the built-in Fashion-MNIST-C benchmark (see pcsr_jax/experiments/builtin.py)."""
   import time
@@ -46,18 +52,18 @@ def builtin_run(a) -> int:
   from pcsr_jax.errors import UserError
 
   t0 = time.time()
-  batch = builtin.BATCH_SIZE if a.batch_size is None else a.batch_size  # 0 reaches the harness's check
+  batch, severity = _given(a.batch_size, builtin.BATCH_SIZE), _given(a.severity, builtin.SEVERITY)
   say = print if distributed.is_main() else lambda *a, **k: None  # multi-process: process 0 speaks
   for flag in ("dataset", "tfds_data_dir", "image_list", "label_shift_indices"):
     if getattr(a, flag) is not None:
       raise UserError(f"--{flag.replace('_', '-')} needs --data (it does not apply to the built-in benchmark)")
   if a.preset not in (None, "table1"):
     raise UserError(f"--preset {a.preset} needs --data (the built-in benchmark has only table1: every method)")
-  if a.full and a.images:
+  if a.full and a.images is not None:
     raise UserError("--full runs all 10,000 images: drop --images")
   ckpt = a.checkpoint or builtin.CHECKPOINT
   meta = checkpoint.load_meta(ckpt)
-  images = builtin.FULL_IMAGES if a.full else (a.images or builtin.DEFAULT_IMAGES)
+  images = builtin.FULL_IMAGES if a.full else _given(a.images, builtin.DEFAULT_IMAGES)
   seeds = common.parse_seeds(a.seeds) if a.seeds else (builtin.FULL_SEEDS if a.full else builtin.DEFAULT_SEEDS)
   corr = common.parse_corruptions(a.corruptions) if a.corruptions else corruptions.BENCHMARK
   # The default five fit the 5-minute budget; --full and --preset table1 run every registered method.
@@ -67,7 +73,7 @@ def builtin_run(a) -> int:
   orders = ("before", "after") if a.eval_order == "both" else (a.eval_order,)
   acc = meta.get("training", {}).get("clean_test_accuracy")
   say(f"no --data: built-in benchmark, Fashion-MNIST-C (real Fashion-MNIST test images, CIFAR-10-C-strength "
-        f"corruptions) at severity {a.severity or builtin.SEVERITY}, setting {a.setting or 'normal'}; "
+        f"corruptions) at severity {severity}, setting {a.setting or 'normal'}; "
         f"{images:,} images per corruption (the first {images:,} of the 10,000 test images), "
         f"{len(corr)} corruptions, seeds {','.join(map(str, seeds))}, batch {batch}; "
         f"source model {ckpt}" + (f" (clean test accuracy {100 * acc:.2f}%)" if acc is not None else ""), flush=True)
@@ -77,11 +83,11 @@ def builtin_run(a) -> int:
     these = tuple(m for m in chosen if len(orders) == 1 or order in methods.get(m).eval_orders)
     cfg = builtin.run_config(
         os.path.join(out, f"eval_{order}") if len(orders) > 1 else out, images=images, seeds=seeds, methods=these,
-        corruptions=corr, severity=a.severity or builtin.SEVERITY, eval_order=order,
+        corruptions=corr, severity=severity, eval_order=order,
         method_args=common.parse_method_args(a.method_args), checkpoint=ckpt, setting=a.setting or "normal",
         batch_size=batch, fmnist_dir=a.fashion_mnist_dir, cache_dir=a.cache_dir,
         shuffle=not a.no_shuffle, save_predictions=a.save_predictions, resume=a.resume,
-        checkpoint_every=a.checkpoint_every or 50, workers=a.workers, progress=not a.no_progress,
+        checkpoint_every=_given(a.checkpoint_every, 50), workers=a.workers, progress=not a.no_progress,
         source_data=a.source_data, source_images=a.source_images, dtype=a.dtype or "float32",
         attention=a.attention or "matmul", loader=a.loader or "auto", row_chunk=a.row_chunk)
     if len(orders) > 1:
