@@ -85,9 +85,13 @@ def hsv_to_rgb(x: Array) -> Array:
   p = jnp.clip(v * (1.0 - s), 0.0, 1.0)
   q = jnp.clip(v * (1.0 - s * f), 0.0, 1.0)
   t = jnp.clip(v * (1.0 - s * (1.0 - f)), 0.0, 1.0)
-  r = jnp.choose(i, [v, q, p, p, t, v], mode="clip")
-  g = jnp.choose(i, [t, v, v, q, p, p], mode="clip")
-  b = jnp.choose(i, [p, p, t, v, v, q], mode="clip")
+  # A chain of selects, not ``jnp.choose``: choose is a gather whose indices carry the batch axis, which XLA's
+  # partitioner cannot keep on each device's own rows (it gathered the indices of the whole batch to every
+  # device and summed the outputs across them: ROID's step at ViT-S/16 batch 16 on 2 devices).
+  sector = [i == k for k in range(6)]
+  r = jnp.select(sector, [v, q, p, p, t, v])
+  g = jnp.select(sector, [t, v, v, q, p, p])
+  b = jnp.select(sector, [p, p, t, v, v, q])
   return jnp.stack([r, g, b], axis=-1)
 
 
