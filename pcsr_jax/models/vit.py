@@ -101,26 +101,38 @@ class Attention(nn.Module):
   def __call__(self, x: Array, scale_shift: Optional[tuple[Array, Array]] = None) -> Array:
     b, t, d = x.shape
     h = self.num_heads
-    qkv = nn.Dense(3 * d, dtype=self.dtype, name="qkv")(x).reshape(b, t, 3, d)  # timm rows: q | k | v
+    qkv = nn.Dense(3 * d, dtype=self.dtype, name="qkv")(x).reshape(b, t, 3, h, d // h)  # timm rows: q | k | v
+    ss = None
     if scale_shift is not None:
       gamma, beta = scale_shift  # [B, 1 or 3, D]: one factor per channel = per head slice
       if self.dtype is not None:
         gamma, beta = gamma.astype(self.dtype), beta.astype(self.dtype)
-      qkv = gamma[:, None] * qkv + beta[:, None]
-    out = self._fused(qkv.reshape(b, t, 3, h, d // h)) if self.implementation != "matmul" else None
+      ss = gamma.reshape(b, -1, h, d // h), beta.reshape(b, -1, h, d // h)  # [B, 1 or 3, H, Dh]
+    out = self._fused(qkv, ss) if self.implementation != "matmul" else None
     if out is None:
-      qkv = qkv.reshape(b, t, 3, h, d // h).transpose(2, 0, 3, 1, 4)  # [3, B, H, T, Dh], as timm
-      q, k, v = qkv[0], qkv[1], qkv[2]
+      qkv = qkv.transpose(2, 0, 3, 1, 4)  # [3, B, H, T, Dh], as timm
+      # A split, not qkv[0], qkv[1], qkv[2]: the VJP of a split is one concatenate, that of an index pads each
+      # gradient to the whole [3, ...] and adds the three, full-size copies that XLA:CPU kept (with the two
+      # transposes below, a third of the non-matmul time of PCSR's step: `benchmarks/profile_step.py`).
+      q, k, v = (a[0] for a in jnp.split(qkv, 3, axis=0))
+      if ss is not None:
+        # Scale-shift q, k and v in the head-major layout the matmuls read, not [B, T, 3, D] before the
+        # transpose: there the backward transposed the gradient twice more (once per consumer).
+        n = ss[0].shape[1]
+        q, k, v = (ss[0][:, j % n, :, None] * a + ss[1][:, j % n, :, None] for j, a in enumerate((q, k, v)))
       # softmax(q k^T / sqrt(head_dim)) v, as timm (and eq. 7 with d = head dim). Head-major batched
       # matmuls: on XLA:CPU about 1.4x faster than jax.nn.dot_product_attention's [B, T, H, Dh] layout.
       out = softmax_attention(q * (d // h) ** -0.5, k, v).transpose(0, 2, 1, 3)
     return nn.Dense(d, dtype=self.dtype, name="proj")(out.reshape(b, t, d))
 
-  def _fused(self, qkv: Array) -> Optional[Array]:
-    """``jax.nn.dot_product_attention`` on ``[B, T, 3, H, Dh]``, ``[B, T, H, Dh]`` out; None if unavailable."""
+  def _fused(self, qkv: Array, ss: Optional[tuple[Array, Array]]) -> Optional[Array]:
+    """``jax.nn.dot_product_attention`` on ``[B, T, 3, H, Dh]`` (scale-shifted by ``ss``, ``[B, 1 or 3, H, Dh]``
+    each), ``[B, T, H, Dh]`` out; None if unavailable."""
     if self.implementation not in ATTENTION_IMPLS:
       raise UserError(f"attention: expected one of {', '.join(ATTENTION_IMPLS)}, got '{self.implementation}'")
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    if ss is not None:
+      qkv = ss[0][:, None] * qkv + ss[1][:, None]
+    q, k, v = (a[:, :, 0] for a in jnp.split(qkv, 3, axis=2))
     # The cuDNN kernel checks backend, dtype and shapes while tracing, the backward pass's conditions too when
     # the call is differentiated. A forward-only pass keeps the unpadded kernel (its speed was measured); an
     # odd length that only the backward refuses is padded (`fused_attention`); any other refusal -> matmul.
