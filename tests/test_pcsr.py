@@ -75,6 +75,41 @@ def test_scale_shift_acts_on_qkv():
   assert np.abs(np.asarray(apply({"params": bumped}, x)) - base).max() > 1e-3
 
 
+@pytest.mark.parametrize("factors", [1, 3], ids=["shared", "independent"])
+def test_scale_shift_attention_matches_its_definition(factors):
+  """`vit.Attention` with a scale-shift (applied per head-major q, k, v in the matmul path, on ``[B, T, 3, H,
+  Dh]`` in the fused one) equals the definition written on the qkv projection's ``[B, T, 3, D]`` output: eq. 7's
+  ``softmax(q' k'^T / sqrt(Dh)) v'`` with ``x' = gamma * x + beta`` per sample and channel, for shared (one
+  factor for q, k and v) and independent factors; outputs and gradients, both implementations."""
+  from pcsr_jax.models import vit
+  b, t, d, h = 3, 7, 8, 2
+  ks = jax.random.split(jax.random.key(0), 4)
+  x = jax.random.normal(ks[0], (b, t, d))
+  gamma = 1.0 + 0.5 * jax.random.normal(ks[1], (b, factors, d))
+  beta = 0.5 * jax.random.normal(ks[2], (b, factors, d))
+  att = vit.Attention(d, h)
+  params = att.init(ks[3], x)["params"]
+
+  def reference(p, x, gamma, beta):
+    qkv = (x @ p["qkv"]["kernel"] + p["qkv"]["bias"]).reshape(b, t, 3, d)
+    qkv = gamma[:, None] * qkv + beta[:, None]
+    q, k, v = (qkv[:, :, i].reshape(b, t, h, d // h).transpose(0, 2, 1, 3) for i in range(3))
+    a = jax.nn.softmax(q @ k.swapaxes(-1, -2) / np.sqrt(d // h), axis=-1)
+    out = (a @ v).transpose(0, 2, 1, 3).reshape(b, t, d)
+    return out @ p["proj"]["kernel"] + p["proj"]["bias"]
+
+  def value_and_grads(fn):
+    loss = lambda *a: jnp.sum(jnp.sin(fn(*a)))
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(params, x, gamma, beta)
+
+  want = value_and_grads(reference)
+  for impl in ("matmul", "xla"):
+    module = att.clone(implementation=impl)
+    got = value_and_grads(lambda p, x, g, bt: module.apply({"params": p}, x, (g, bt)))
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+      np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=2e-5, err_msg=impl)
+
+
 def test_similarity_is_sown_per_layer():
   _, _, adapted, full = with_recalibrators(pcsr.PCSRConfig())
   _, sown = jax.jit(lambda p, x: adapted.apply({"params": p}, x, mutable=["losses", "intermediates"]))(
