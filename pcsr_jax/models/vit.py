@@ -112,8 +112,9 @@ class Attention(nn.Module):
     if out is None:
       qkv = qkv.transpose(2, 0, 3, 1, 4)  # [3, B, H, T, Dh], as timm
       # A split, not qkv[0], qkv[1], qkv[2]: the VJP of a split is one concatenate, that of an index pads each
-      # gradient to the whole [3, ...] and adds the three, full-size copies that XLA:CPU kept (with the two
-      # transposes below, a third of the non-matmul time of PCSR's step: `benchmarks/profile_step.py`).
+      # gradient to the whole [3, ...] and adds the three, full-size copies that XLA:CPU kept (with the extra
+      # transposes of the old scale-shift below, 28% of the non-matmul time of PCSR's step at ViT-S/16 batch 16:
+      # `benchmarks/profile_step.py`).
       q, k, v = (a[0] for a in jnp.split(qkv, 3, axis=0))
       if ss is not None:
         # Scale-shift q, k and v in the head-major layout the matmuls read, not [B, T, 3, D] before the
