@@ -4,8 +4,9 @@
 
 Each framework runs in its own subprocess (so peak memory is its own), on the
 same architecture, method, batch size and protocol, the same random weights and
-the same random batch (`shared_inputs`), kept on the device. After ``--warmup`` steps it times
-``--steps`` steps, waiting for each step's logits (JAX ``block_until_ready``,
+the same random batch (`shared_inputs`), kept on the device. After the first step
+and ``--warmup`` more (extended while the process's memory still grows) it
+times ``--steps`` steps, waiting for each step's logits (JAX ``block_until_ready``,
 CUDA ``synchronize``). ``--dtype bfloat16`` runs JAX's backbone in bf16
 (float32 params and optimizer state) and PyTorch's step under bf16 autocast.
 Prints images/s for both, their ratio, the compile (first-step) time and the
@@ -16,8 +17,8 @@ figures can move by 10-30% (a slow spell of the machine), and the spell then
 lands on one round, not on one framework's only figure.
 ``--cpu-devices N`` splits the CPU into N JAX devices sharing the batch (one per
 core is XLA:CPU's fastest setting; PyTorch uses all cores' threads either way).
-On a CPU-only host the command restarts under `pcsr_jax.malloc.TUNABLES` (as every command does) and both
-workers inherit them; ``PCSR_JAX_MALLOC=system`` runs both under glibc's defaults.
+``PCSR_JAX_MALLOC=hugepages`` or ``reuse`` restarts the command under those glibc settings (`pcsr_jax.malloc`,
+as every command does on a CPU-only host) and both workers inherit them.
 """
 
 from __future__ import annotations
@@ -41,6 +42,15 @@ def peak_rss_mb() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def rss_mb() -> float:
+  """The process's resident memory now (Linux; elsewhere its peak)."""
+  try:
+    with open("/proc/self/statm") as f:
+      return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+  except OSError:
+    return peak_rss_mb()
+
+
 FP32_MATMUL = ("tf32", "highest")
 
 
@@ -52,20 +62,28 @@ def torch_fp32_matmul(policy: str) -> None:
   torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = policy == "tf32"
 
 
-def _time(step, sync, steps: int, warmup: int, max_s: float | None = None) -> tuple[float, float, int]:
+def _time(step, sync, steps: int, warmup: int, max_s: float | None = None,
+          max_extra: int = 8) -> tuple[float, float, int]:
   """(first-step seconds, seconds per step over the timed steps, how many were timed), syncing every step:
-  ``warmup`` steps after the first, then ``steps`` timed ones. ``max_s``: the warm-up and the timing each stop
-  once they have run that long (at least one timed step), so that one slow method cannot eat a report's budget."""
+  the first step, then warm-up steps until ``warmup`` of them in a row left the process's resident memory within 1%
+  (at most ``max_extra`` more than ``warmup``), then ``steps`` timed ones. A heap that is still growing (a
+  single malloc arena takes a few steps to find room for a step's blocks: `pcsr_jax.malloc`) is warm-up, not
+  the step's speed. ``max_s``: the warm-up and the timing each stop once they have run that long (at least one
+  timed step), so that one slow method cannot eat a report's budget."""
   t0 = time.perf_counter()
   step()
   sync()
   first_s = time.perf_counter() - t0
   t0 = time.perf_counter()
-  for _ in range(warmup):
+  steady, done = 0, 0
+  while steady < warmup and done < warmup + max_extra:
     if max_s is not None and time.perf_counter() - t0 > max_s:
       break
+    before = rss_mb()
     step()
     sync()
+    done += 1
+    steady = steady + 1 if rss_mb() <= 1.01 * before else 0
   t0 = time.perf_counter()
   n = 0
   while n < steps:
@@ -271,7 +289,8 @@ def parser() -> ArgumentParser:
   p.add_argument("--method", default="pcsr", help="a registered method, a comma-separated list, or 'all' (then a "
                  "table of every method): " + ", ".join(_method_names()))
   p.add_argument("--steps", type=int, default=10)
-  p.add_argument("--warmup", type=int, default=2)
+  p.add_argument("--warmup", type=int, default=2,
+                 help="untimed steps after the first; more (up to 8) while the process's memory still grows")
   p.add_argument("--frameworks", default="jax,torch", help="comma-separated: jax, torch")
   p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                  help="compute dtype: JAX's backbone dtype; PyTorch's step under bf16 autocast")
@@ -336,6 +355,12 @@ def chosen_methods(text: str) -> tuple[str, ...]:
   return chosen
 
 
+def _malloc_note() -> str:
+  """The glibc malloc tunables this command runs under (`pcsr_jax.malloc`), if any: they move CPU figures."""
+  tunables = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t.startswith("glibc.malloc.")]
+  return f", {':'.join(tunables)}" if tunables else ""
+
+
 def measure(a, method: str, argv: Sequence[str]) -> dict:
   """Both frameworks' figures for one method, each framework in its own subprocess (``a.rounds`` times each,
   the fastest round kept); prints them."""
@@ -356,7 +381,7 @@ def measure(a, method: str, argv: Sequence[str]) -> dict:
   results = fastest_rounds(runs)
   rounds = f", fastest of {a.rounds} rounds" if a.rounds > 1 else ""
   print(f"{method} step ({cost} per batch), {a.arch}, batch {a.batch_size}, {a.dtype}, {a.steps} timed steps "
-        f"after {a.warmup} warm-up{rounds}")
+        f"after {a.warmup} warm-up{rounds}{_malloc_note()}")
   for fw, r in results.items():
     chunk = f", {r['row_chunk']} rows per pass" if r.get("row_chunk") else ""
     every = (" (rounds: " + ", ".join(_fmt_ips(x) for x in r["rounds_images_per_s"]) + ")") if a.rounds > 1 else ""

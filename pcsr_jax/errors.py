@@ -30,7 +30,8 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def run_cli(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None) -> NoReturn:
   """Runs a CLI entry point, turning `UserError` into a one-line message and exit 2. First, on a CPU-only
-  Linux host, restarts the command under `pcsr_jax.malloc.TUNABLES` (XLA:CPU's step buffers reused)."""
+  Linux host where ``PCSR_JAX_MALLOC`` asks for them, restarts the command under `pcsr_jax.malloc`'s glibc
+  settings."""
   from pcsr_jax import malloc
 
   malloc.reexec()

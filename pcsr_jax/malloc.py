@@ -1,18 +1,24 @@
-"""glibc malloc settings under which XLA:CPU reuses its per-step buffers, set by re-executing the command.
+"""glibc malloc settings under which XLA:CPU stops faulting in its step buffers, set by re-executing the command.
 
 XLA:CPU allocates each execution's temporaries as one block per device (463 MB for a ViT-S/16 TENT step at
-batch 16 on each of 2 devices), with ``posix_memalign`` from one of its worker threads. glibc serves that
-request from the thread's own arena, which cannot hold a block over 64 MB, so it maps fresh pages and unmaps
-them when the step ends: every step faults in and zeroes its whole working memory again (226,000 page faults
-and 0.4 s of kernel time per step on 2 cores, where PyTorch's step has 21,000). With one arena, no ``mmap``
-and no trimming, the freed block stays in the heap and the next step takes it back: no faults, and the same
-arithmetic (``PCSR_JAX_MALLOC=system`` against the default: README, "glibc's malloc on a CPU host").
+batch 16 on each of 2 devices), with ``posix_memalign`` from one of its worker threads. glibc serves a block
+that large with ``mmap`` and unmaps it when the step ends: every step faults in and zeroes its whole working
+memory again, one 4 KiB page at a time (226,000 page faults per step on 2 cores, where PyTorch's step has
+21,000). ``PCSR_JAX_MALLOC`` picks how (README, "glibc's malloc on a CPU host", has the figures):
 
-glibc reads these settings (``GLIBC_TUNABLES``) once, at process start, so `reexec` starts the command again
-with them. It does so only where JAX will run on the CPU (no accelerator plugin installed, or
-``JAX_PLATFORMS=cpu``): on an accelerator host the step's memory is the device's, and one arena would only
-serialize the decoding threads' allocations. ``PCSR_JAX_MALLOC=system`` keeps glibc's defaults; a
-``GLIBC_TUNABLES`` that already sets a malloc tunable is left as it is.
+* ``system`` (the default): glibc's defaults, nothing set, no restart.
+* ``hugepages``: glibc asks for transparent huge pages on its mappings (``hugetlb=1``), so the kernel maps the
+  block in 2 MiB pages: far fewer faults, the same memory.
+* ``reuse``: one arena, no ``mmap``, no trimming: the freed block stays in the heap and the next step takes it
+  back, no faults at all once the heap has found room for a step's blocks (a few steps), at up to 3 times
+  the memory at batch 64, where a single heap fragments.
+
+Both speed up a small batch (batch 16: about 10% on JAX's TENT step); at the protocol's batch 64, in passes of
+16 rows, neither is faster, hence the default. glibc reads these settings (``GLIBC_TUNABLES``) once, at
+process start, so `reexec` starts the command again with them. It does so only where JAX will run on the CPU
+(no accelerator plugin installed, or ``JAX_PLATFORMS=cpu``): on an accelerator host the step's memory is the
+device's. A ``GLIBC_TUNABLES`` that already sets a malloc tunable is left as it is; a kernel without
+transparent huge pages ignores ``hugetlb``.
 """
 
 from __future__ import annotations
@@ -22,11 +28,14 @@ import importlib.util
 import os
 import platform
 import sys
-from typing import Mapping
+from typing import Mapping, Optional
 
+HUGEPAGES = "glibc.malloc.hugetlb=1"
 # One arena (the main one, whose heap can grow to any size), never mmap, never give the top of the heap back.
-TUNABLES = "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1099511627776"
-OPT_OUT = "PCSR_JAX_MALLOC"
+REUSE = "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1099511627776"
+MODES: dict[str, Optional[str]] = {"hugepages": HUGEPAGES, "reuse": REUSE, "system": None}
+ENV = "PCSR_JAX_MALLOC"
+DEFAULT = "system"
 
 
 def _accelerator_installed() -> bool:
@@ -39,32 +48,42 @@ def on_glibc() -> bool:
   return sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
 
 
-def wanted(env: Mapping[str, str]) -> bool:
-  """Whether a process started with ``env`` should get `TUNABLES`: glibc, CPU-only JAX, not opted out, and
-  not set already (by us or by the user)."""
-  if env.get(OPT_OUT, "tuned") == "system":
-    return False
-  if not on_glibc():
-    return False
-  if "glibc.malloc." in env.get("GLIBC_TUNABLES", ""):
-    return False
+def mode(env: Mapping[str, str]) -> str:
+  """The mode ``env`` asks for (``PCSR_JAX_MALLOC``, default `DEFAULT`); ValueError naming it if unknown."""
+  m = env.get(ENV, DEFAULT)
+  if m not in MODES:
+    raise ValueError(f"{ENV}={m!r}: expected one of {', '.join(MODES)}")
+  return m
+
+
+def tunables(env: Mapping[str, str]) -> Optional[str]:
+  """The malloc tunables a process started with ``env`` should get: those of its `mode` on glibc with
+  CPU-only JAX, unless ``GLIBC_TUNABLES`` already sets one (the user's own win); else None."""
+  wanted = MODES[mode(env)]
+  if wanted is None or not on_glibc() or "glibc.malloc." in env.get("GLIBC_TUNABLES", ""):
+    return None
   platforms = env.get("JAX_PLATFORMS", "")
-  return platforms == "cpu" or (not platforms and not _accelerator_installed())
+  return wanted if platforms == "cpu" or (not platforms and not _accelerator_installed()) else None
 
 
 def tuned_env(env: Mapping[str, str]) -> dict[str, str]:
-  """``env`` with `TUNABLES` added to ``GLIBC_TUNABLES`` (where `wanted`)."""
+  """``env`` with `tunables` added to ``GLIBC_TUNABLES`` (the user's other tunables kept)."""
   out = dict(env)
-  if wanted(env):
-    out["GLIBC_TUNABLES"] = ":".join(filter(None, (env.get("GLIBC_TUNABLES", ""), TUNABLES)))
+  extra = tunables(env)
+  if extra:
+    out["GLIBC_TUNABLES"] = ":".join(filter(None, (env.get("GLIBC_TUNABLES", ""), extra)))
   return out
 
 
 def reexec(environ: Mapping[str, str] = os.environ) -> None:
-  """Replaces this process with the same command line under `TUNABLES`, where `wanted`; else returns. Call
+  """Replaces this process with the same command line under `tunables`, where wanted; else returns. Call
   first thing in a command (before JAX starts, so nothing is lost); the new process finds the settings in its
-  environment and goes on."""
-  env = tuned_env(environ)
+  environment and goes on. An unknown ``PCSR_JAX_MALLOC`` exits with one line and code 2."""
+  try:
+    env = tuned_env(environ)
+  except ValueError as e:
+    sys.stderr.write(f"{os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else 'pcsr_jax'}: error: {e}\n")
+    sys.exit(2)
   if env.get("GLIBC_TUNABLES") == environ.get("GLIBC_TUNABLES"):
     return
   sys.stdout.flush()

@@ -1,5 +1,9 @@
 """The benchmark scripts' timing loop, the GPU report's job order and the inputs both frameworks time."""
 
+import json
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -7,6 +11,8 @@ import pytest
 
 from benchmarks import gpu_report
 from benchmarks.step_throughput import _time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _counting_step(seconds: float):
@@ -24,6 +30,39 @@ def test_time_runs_first_warmup_and_timed_steps_without_a_cap():
   first_s, per_step, n = _time(step, lambda: None, steps=5, warmup=3)
   assert n == 5 and len(calls) == 1 + 3 + 5
   assert first_s >= 0.001 and per_step >= 0.001
+
+
+# A step whose first calls take fresh memory (20% of the process's resident memory each, touched and kept), as
+# a heap still finding room for a step's blocks does. In a fresh process (its memory is its own).
+_GROWING = """
+import json, sys
+import numpy as np
+sys.path.insert(0, {root!r})
+from benchmarks.step_throughput import _time, rss_mb
+held, calls, growing = [], [], [4]
+def step():
+  calls.append(None)
+  if growing[0] > 0:
+    growing[0] -= 1
+    held.append(np.ones(int(0.2 * rss_mb() * 2**20) // 8 + 1))
+_, _, n = _time(step, lambda: None, steps=3, warmup=2)
+out = dict(timed=n, calls=len(calls))
+calls.clear()
+growing[0] = 4
+_time(step, lambda: None, steps=1, warmup=1, max_extra=1)
+out["capped_calls"] = len(calls)
+print(json.dumps(out))
+"""
+
+
+def test_warmup_goes_on_while_the_step_still_grows_the_process():
+  r = subprocess.run([sys.executable, "-c", _GROWING.format(root=ROOT)], capture_output=True, text=True,
+                     timeout=120)
+  assert r.returncode == 0, r.stderr[-2000:]
+  out = json.loads(r.stdout.strip().splitlines()[-1])
+  # first, 3 growing warm-up steps, 2 steady ones, 3 timed (a fixed warm-up of 2 would time growing steps)
+  assert out["timed"] == 3 and out["calls"] == 1 + 3 + 2 + 3, out
+  assert out["capped_calls"] == 1 + 2 + 1, out  # the extension is capped: warmup + max_extra, then 1 timed
 
 
 def test_time_cap_stops_warmup_and_timing_but_keeps_one_timed_step():
