@@ -65,8 +65,8 @@ def torch_fp32_matmul(policy: str) -> None:
 def _time(step, sync, steps: int, warmup: int, max_s: float | None = None,
           max_extra: int = 8) -> tuple[float, float, int]:
   """(first-step seconds, seconds per step over the timed steps, how many were timed), syncing every step:
-  the first step, then warm-up steps until ``warmup`` of them in a row left the process's resident memory within 1%
-  (at most ``max_extra`` more than ``warmup``), then ``steps`` timed ones. A heap that is still growing (a
+  the first step, then warm-up steps until ``warmup`` of them in a row left the process's resident memory
+  within 1% (at most ``max_extra`` more than ``warmup``), then ``steps`` timed ones. A heap that is still growing (a
   single malloc arena takes a few steps to find room for a step's blocks: `pcsr_jax.malloc`) is warm-up, not
   the step's speed. ``max_s``: the warm-up and the timing each stop once they have run that long (at least one
   timed step), so that one slow method cannot eat a report's budget."""
