@@ -34,8 +34,8 @@ def run_cli(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[s
   settings."""
   from pcsr_jax import malloc
 
-  malloc.reexec()
   try:
+    malloc.reexec()
     code = main(argv)
   except UserError as e:
     prog = sys.argv[0].rsplit("/", 1)[-1] if sys.argv and sys.argv[0] else "pcsr_jax"

@@ -30,6 +30,8 @@ import platform
 import sys
 from typing import Mapping, Optional
 
+from pcsr_jax.errors import UserError
+
 HUGEPAGES = "glibc.malloc.hugetlb=1"
 # One arena (the main one, whose heap can grow to any size), never mmap, never give the top of the heap back.
 REUSE = "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1099511627776"
@@ -49,10 +51,10 @@ def on_glibc() -> bool:
 
 
 def mode(env: Mapping[str, str]) -> str:
-  """The mode ``env`` asks for (``PCSR_JAX_MALLOC``, default `DEFAULT`); ValueError naming it if unknown."""
+  """The mode ``env`` asks for (``PCSR_JAX_MALLOC``, default `DEFAULT`); a `UserError` naming it if unknown."""
   m = env.get(ENV, DEFAULT)
   if m not in MODES:
-    raise ValueError(f"{ENV}={m!r}: expected one of {', '.join(MODES)}")
+    raise UserError(f"{ENV}={m!r}: expected one of {', '.join(MODES)}")
   return m
 
 
@@ -78,12 +80,8 @@ def tuned_env(env: Mapping[str, str]) -> dict[str, str]:
 def reexec(environ: Mapping[str, str] = os.environ) -> None:
   """Replaces this process with the same command line under `tunables`, where wanted; else returns. Call
   first thing in a command (before JAX starts, so nothing is lost); the new process finds the settings in its
-  environment and goes on. An unknown ``PCSR_JAX_MALLOC`` exits with one line and code 2."""
-  try:
-    env = tuned_env(environ)
-  except ValueError as e:
-    sys.stderr.write(f"{os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else 'pcsr_jax'}: error: {e}\n")
-    sys.exit(2)
+  environment and goes on. An unknown ``PCSR_JAX_MALLOC`` raises `UserError` (`errors.run_cli`: one line)."""
+  env = tuned_env(environ)
   if env.get("GLIBC_TUNABLES") == environ.get("GLIBC_TUNABLES"):
     return
   sys.stdout.flush()

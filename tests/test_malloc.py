@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from pcsr_jax import malloc
+from pcsr_jax.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU = {"JAX_PLATFORMS": "cpu"}
@@ -27,7 +28,7 @@ def test_each_mode_adds_its_tunables_once_and_only_where_wanted():
   own = {**huge, "GLIBC_TUNABLES": "glibc.malloc.arena_max=4"}
   assert malloc.tuned_env(own) == own  # the user's own malloc settings win
   assert malloc.tunables({"JAX_PLATFORMS": "cuda", malloc.ENV: "reuse"}) is None  # a GPU's memory is not malloc's
-  with pytest.raises(ValueError, match="PCSR_JAX_MALLOC='tuned': expected one of hugepages, reuse, system"):
+  with pytest.raises(UserError, match="PCSR_JAX_MALLOC='tuned': expected one of hugepages, reuse, system"):
     malloc.tuned_env({**CPU, malloc.ENV: "tuned"})
 
 
