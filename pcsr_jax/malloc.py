@@ -4,7 +4,8 @@ XLA:CPU allocates each execution's temporaries as one block per device (463 MB f
 batch 16 on each of 2 devices), with ``posix_memalign`` from one of its worker threads. glibc serves a block
 that large with ``mmap`` and unmaps it when the step ends: every step faults in and zeroes its whole working
 memory again, one 4 KiB page at a time (226,000 page faults per step on 2 cores, where PyTorch's step has
-21,000). ``PCSR_JAX_MALLOC`` picks how (README, "glibc's malloc on a CPU host", has the figures):
+21,000). ``PCSR_JAX_MALLOC`` picks how (docs/performance.md, "glibc's malloc on a CPU host", has the
+figures):
 
 * ``system`` (the default): glibc's defaults, nothing set, no restart.
 * ``hugepages``: glibc asks for transparent huge pages on its mappings (``hugetlb=1``), so the kernel maps the
