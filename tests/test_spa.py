@@ -4,10 +4,6 @@ and agreement with the PyTorch reference (benchmarks/torch_methods/spa.py) on th
 from __future__ import annotations
 
 import functools
-import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -254,50 +250,3 @@ def test_jax_and_pytorch_agree_with_the_same_views():
   print(f"spa: adapted params max rel diff {worst:.2e}; updates max rel diff {worst_update:.2e}")
   assert worst < 1e-4
   assert excess <= 0, excess
-
-
-TWO_DEVICE_SCRIPT = r"""
-import json, re, sys
-import jax, numpy as np
-sys.path.insert(0, sys.argv[1])
-jax.config.update("jax_compilation_cache_dir", sys.argv[2])
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-from pcsr_jax import engine, methods
-from tiny import batches, tiny_model
-engine.use_cpu_devices(2)
-m = methods.get("spa", noise_patch=8)
-model, params = tiny_model()
-res = []
-for devs in (jax.devices()[:1], jax.devices()):
-  ad = engine.Adapter(m, model, params, batch_size=4, mesh=engine.data_mesh(devs))
-  state, logits_all = ad.init_state(), []
-  for x in batches(2, 4, seed=3):
-    state, logits, _ = ad.step(state, x)
-    logits_all.append(np.asarray(logits))
-  res.append((np.concatenate(logits_all), [np.asarray(l) for l in jax.tree.leaves(state.trainable)]))
-hlo = ad.lower(ad.init_state(), ad.place(batches(1, 4)[0])).compile().as_text()
-moves = sorted(set(re.findall(r"= (\S+) (all-gather|all-to-all|collective-permute)(?:-start)?\(", hlo)))
-x = jax.device_put(batches(1, 4)[0], ad._batch_sharding)
-one = np.asarray(jax.jit(lambda k, v: m.masked_view(k, v))(jax.random.key(5), x))
-two = jax.jit(lambda k, v: m.masked_view(k, v, ad.prep.mesh))(jax.random.key(5), x)
-(l1, p1), (l2, p2) = res
-print(json.dumps(dict(moves=moves, logit_diff=float(np.abs(l1 - l2).max()),
-                      param_diff=max(float(np.abs(a - b).max()) for a, b in zip(p1, p2)),
-                      view_diff=float(np.abs(one - np.asarray(two)).max()), view_devices=len(two.sharding.device_set))))
-"""
-
-
-def test_two_devices_keep_their_rows_and_equal_one_device():
-  """On 2 devices the step moves no image or view between them: the masked view's FFT runs on each device's
-  rows (`shard_map`; XLA's partitioner all-gathered the batch's spectrum onto every device) and the two views
-  of an image are adjacent rows (a concatenation put the second view's half on the other device: a
-  collective-permute of the views and of their logits). Only all-reduces remain (gradients, the loss, the
-  finite check). Logits and params equal one device's up to float32 rounding."""
-  root = os.path.dirname(os.path.abspath(__file__))
-  r = subprocess.run([sys.executable, "-c", TWO_DEVICE_SCRIPT, root, jax.config.jax_compilation_cache_dir],
-                     env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300)
-  assert r.returncode == 0, r.stderr[-3000:]
-  out = json.loads(r.stdout.strip().splitlines()[-1])
-  assert out["moves"] == [], out
-  assert out["view_devices"] == 2 and out["view_diff"] < 1e-6, out
-  assert out["logit_diff"] < 1e-4 and out["param_diff"] < 1e-5, out

@@ -4,11 +4,8 @@ applies both to the model input (mean = std = 0.5, so pixels span [-1, 1])."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 Array = jax.Array
 
@@ -35,17 +32,11 @@ def _symmetric(mask: Array) -> Array:
   return mask.at[:, sh:, sw:].set(sub)
 
 
-def spa_amplitude_mask(key: Array, x: Array, keep_prob: float = 0.8, ratio: float = 0.2,
-                       mesh: Optional[jax.sharding.Mesh] = None) -> Array:
+def spa_amplitude_mask(key: Array, x: Array, keep_prob: float = 0.8, ratio: float = 0.2) -> Array:
   """Low-frequency amplitude masking: every element (sample, channel, frequency) of the central
   ``ratio``-sized block of the centred amplitude spectrum is kept with ``keep_prob`` (SPA: 1 - 0.2),
   higher frequencies are untouched, the mask is made conjugate-symmetric, and the phase is kept.
-  Multiplying the amplitude by a 0/1 mask with the phase kept is multiplying the spectrum by it.
-
-  On a ``mesh`` whose devices split the batch, each device transforms its own images (``shard_map``): left
-  to XLA's partitioner, the FFT of a batch-sharded array all-gathers the whole batch's spectrum onto every
-  device and transforms all of it there. The mask is the same either way, the result too up to float32
-  rounding (`tests/test_spa.py`)."""
+  Multiplying the amplitude by a 0/1 mask with the phase kept is multiplying the spectrum by it."""
   b, h, w, c = x.shape
   (r0, rl), (c0, cl) = low_frequency_block(h, ratio), low_frequency_block(w, ratio)
   rows = (jnp.arange(h) >= r0) & (jnp.arange(h) < r0 + rl)
@@ -53,15 +44,9 @@ def spa_amplitude_mask(key: Array, x: Array, keep_prob: float = 0.8, ratio: floa
   low = (rows[:, None] & cols[None, :])[None, :, :, None]
   keep = jax.random.bernoulli(key, keep_prob, x.shape)
   mask = _symmetric(jnp.where(low, keep, True).astype(jnp.float32))
-
-  def apply(x, mask):
-    spec = jnp.fft.fft2(x, axes=(1, 2)) * jnp.fft.ifftshift(mask, axes=(1, 2))
-    return jnp.real(jnp.fft.ifft2(spec, axes=(1, 2))).astype(x.dtype)
-
-  n = 1 if mesh is None else mesh.devices.size
-  if n > 1 and b % n == 0:
-    apply = jax.shard_map(apply, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P("data"))
-  return apply(x, mask)
+  spec = jnp.fft.fft2(x, axes=(1, 2))
+  spec = spec * jnp.fft.ifftshift(mask, axes=(1, 2))
+  return jnp.real(jnp.fft.ifft2(spec, axes=(1, 2))).astype(x.dtype)
 
 
 def spa_patch_noise(key: Array, x: Array, strengths: Array, patch: int = 16,

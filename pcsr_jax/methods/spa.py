@@ -43,7 +43,7 @@ official SPA+ETA and SPA+EATA auxiliary losses ("SPA*" with ETA's filters or EAT
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -167,10 +167,9 @@ class SPA(Method):
     mean, std = np.asarray(self.mean, np.float32), np.asarray(self.std, np.float32)
     return jnp.asarray((0.0 - mean) / std), jnp.asarray((1.0 - mean) / std)
 
-  def masked_view(self, key: Array, images: Array, mesh: Optional[jax.sharding.Mesh] = None) -> Array:
-    """The low-frequency amplitude-masked view (``Prompt.masking``); on ``mesh``, each device masks its rows."""
-    return spa_amplitude_mask(key, images, keep_prob=1.0 - self.freq_mask_ratio, ratio=self.low_freq_ratio,
-                              mesh=mesh)
+  def masked_view(self, key: Array, images: Array) -> Array:
+    """The low-frequency amplitude-masked view (``Prompt.masking``)."""
+    return spa_amplitude_mask(key, images, keep_prob=1.0 - self.freq_mask_ratio, ratio=self.low_freq_ratio)
 
   def noisy_view(self, key: Array, images: Array, alpha: Array) -> Array:
     """The patch-noise view (``LearnablePatchErasing``), differentiable in ``alpha``."""
@@ -188,14 +187,11 @@ class SPA(Method):
       logits = in_row_passes(prep, lambda x: prep.model.apply({"params": mparams}, x), images)
     noisy = self.noisy_view(noise_key, images, params[NOISE]["alpha"])
     kernel = params[PREDICTOR]["kernel"]
-    # The two views of image i are rows 2i and 2i + 1 (not a concatenation, whose second half would sit on
-    # other devices than its images): a batch sharded over the devices stays on each device's rows.
+    aug = in_row_passes(prep, lambda x: apply_with_predictor(prep.model, mparams, kernel, x),
+                        jnp.concatenate([masked, noisy]))
     b = images.shape[0]
-    views = jnp.stack([masked, noisy], axis=1).reshape((2 * b,) + images.shape[1:])
-    aug = in_row_passes(prep, lambda x: apply_with_predictor(prep.model, mparams, kernel, x), views)
-    aug = aug.reshape((b, 2) + aug.shape[1:])
-    l_mask, s_mask = consistency_loss(logits, aug[:, 0], valid)
-    l_noise, s_noise = consistency_loss(logits, aug[:, 1], valid)
+    l_mask, s_mask = consistency_loss(logits, aug[:b], valid)
+    l_noise, s_noise = consistency_loss(logits, aug[b:], valid)
     total = l_mask + l_noise
     if self.tent_weight:
       total = total + self.tent_weight * losses.masked_mean(losses.entropy(logits), valid)
@@ -203,7 +199,7 @@ class SPA(Method):
 
   def update(self, prep, frozen, state, images, valid):
     rng, k_mask, k_noise = jax.random.split(state.rng, 3)
-    masked = self.masked_view(k_mask, images, prep.mesh)
+    masked = self.masked_view(k_mask, images)
     state, logits, metrics = self.adapt(prep, frozen, state.replace(rng=rng), images, valid, masked, k_noise)
     return state, logits, metrics
 
