@@ -30,7 +30,7 @@ def test_readme_holds_the_two_commands_ci_runs():
     assert "python -m pytest" in f.read()
 
 
-def test_every_page_the_readme_links_exists_and_links_back_to_files_that_exist():
+def test_every_link_and_repo_path_in_the_readme_and_docs_exists():
   assert len(PAGES) >= 5, PAGES  # README + the four docs pages
   missing = []
   for page in PAGES:
