@@ -363,6 +363,11 @@ class Method(abc.ABC):
     """The method's own state at the start of a stream (a pytree, or None): see `AdaptState.extra`."""
     return None
 
+  def extra_after_reset(self, fresh: Any, previous: Any) -> Any:
+    """The method's own state at a reset between domains (`engine.Adapter.reset`), from ``fresh`` (`init_extra`'s)
+    and ``previous`` (the last domain's): ``fresh``, unless the official ``reset()`` keeps part of it (CMF)."""
+    return fresh
+
   def margin(self, num_classes: int) -> float:
     return losses.entropy_margin(num_classes, self.margin_factor)
 

@@ -22,6 +22,12 @@ This follows DPAL (``dpal.py``, ``main.py``), whose loss is PCSR's eq. 9:
   'blocks.21', 'blocks.22' or 'blocks.23' (and the final 'norm'): blocks 9-11
   of ViT-B, 9-11 and 21-23 of ViT-L (`base.AUTHORS_SKIP_BLOCKS`). SAR's own
   code skips 9-11 only, at every depth (`methods.sar`).
+* Departure: eq. 9's lambda divides n_reliable by the batch's real image
+  count; DPAL divides by its nominal ``args.test_batch_size`` on every batch,
+  so on a ragged last batch (ImageNet-C's 50,000 images at 64: one batch of 16
+  per corruption) its lambda is smaller (16 / 64 of ours when all are
+  reliable). The paper's lambda is the batch's share of reliable samples,
+  which ours is on every batch; full batches agree.
 * Recovery: SAR's EMA of the second loss; below 0.2 the whole model state
   taken at construction comes back -- LayerNorms, DSN and FGN -- and each
   optimizer's ``load_state_dict``: the plain SGD's restores its (empty)
@@ -160,7 +166,8 @@ class PCSR(Method):
     l_ent = losses.masked_mean(ent, mask)
     sims = jax.tree.leaves(sown.get("losses", {}))  # one [B] per layer call
     l_sim = losses.similarity_loss(jnp.stack(sims), valid) if sims else jnp.zeros(())
-    lam = self.similarity_weight * jnp.sum(mask) / jnp.maximum(jnp.sum(valid), 1)  # eq. 9's lambda
+    # Eq. 9's lambda: the share of reliable images among the real ones (DPAL: / its nominal batch size; doc).
+    lam = self.similarity_weight * jnp.sum(mask) / jnp.maximum(jnp.sum(valid), 1)
     return l_ent + lam * l_sim, (logits, mask, l_ent, l_sim)
 
   def update(self, prep, frozen, state, images, valid):
