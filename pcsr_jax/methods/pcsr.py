@@ -8,9 +8,9 @@ This follows DPAL (``dpal.py``, ``main.py``), whose loss is PCSR's eq. 9:
 
 * Adapted: LayerNorm scale/bias of blocks 0-8 and, at ViT-L's 24 blocks, 12-20
   (lr 0.001 * B / 64, SAR's; DPAL used 0.01: ``lr_norm``) and the FGN (lr
-  0.0005; ViT-L 0.0001) in SAM
-  (rho 0.05) over SGD momentum 0.9; the DSN (lr 0.2; ViT-L 0.05) in a separate
-  plain SGD, momentum 0.9 (``dsn_optimizer='sam'`` puts it inside SAM).
+  0.0005; ViT-L 0.0001) in SAM (rho 0.05) over SGD momentum 0.9; the DSN (lr
+  0.2; ViT-L 0.05) in a separate plain SGD, momentum 0.9
+  (``dsn_optimizer='sam'`` puts it inside SAM).
 * Step (DPAL's order): first forward -> loss = reliable entropy (``ent < E0``)
   + lambda * similarity (eq. 9, lambda = n_reliable / B) -> backward -> DSN
   step -> SAM first step (LayerNorms and FGN perturbed by rho * g / ||g||,
@@ -25,9 +25,9 @@ This follows DPAL (``dpal.py``, ``main.py``), whose loss is PCSR's eq. 9:
 * Departure: eq. 9's lambda divides n_reliable by the batch's real image
   count; DPAL divides by its nominal ``args.test_batch_size`` on every batch,
   so on a ragged last batch (ImageNet-C's 50,000 images at 64: one batch of 16
-  per corruption) its lambda is smaller (16 / 64 of ours when all are
-  reliable). The paper's lambda is the batch's share of reliable samples,
-  which ours is on every batch; full batches agree.
+  per corruption) its lambda is a quarter of ours. The paper's lambda is the
+  batch's share of reliable samples, which ours is on every batch; full
+  batches agree.
 * Recovery: SAR's EMA of the second loss; below 0.2 the whole model state
   taken at construction comes back -- LayerNorms, DSN and FGN -- and each
   optimizer's ``load_state_dict``: the plain SGD's restores its (empty)
