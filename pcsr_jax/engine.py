@@ -4,7 +4,7 @@
     state = adapter.init_state()
     for images in stream:                      # NHWC float32, normalized
       state, logits, metrics = adapter.step(state, images)
-    state = adapter.init_state()               # reset to the source model (new domain)
+    state = adapter.reset(state)               # reset to the source model (new domain)
 
     adapter = Adapter(..., mean=meta["mean"], std=meta["std"])  # the checkpoint's normalization
     state, logits, metrics = adapter.step(state, images_u8)    # NHWC uint8 (`Preprocess.to_uint8`)
@@ -138,6 +138,14 @@ class Adapter:
   def init_state(self) -> AdaptState:
     """A fresh copy of the source state (its buffers are donated to the step)."""
     return jax.tree.map(lambda x: x.copy(), self._initial)
+
+  def reset(self, state: Optional[AdaptState] = None) -> AdaptState:
+    """The state for a new domain after ``state`` (None: the first): the source state, but for what the
+    method's official ``reset()`` keeps of its own state (`Method.extra_after_reset`; CMF's filter variance)."""
+    fresh = self.init_state()
+    if state is None:
+      return fresh
+    return fresh.replace(extra=self.method.extra_after_reset(fresh.extra, state.extra))
 
   def _step_impl(self, frozen, consts, state: AdaptState, images, valid):
     self.num_traces += 1

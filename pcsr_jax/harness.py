@@ -486,7 +486,7 @@ def _run_unit(setup: _Setup, key: str, method_name: str, seed: int, adapter: eng
   for si in range(unit.segment, len(segments)):
     seg = segments[si]
     if (seg.reset and unit.batch == 0) or state is None:
-      state = adapter.init_state()
+      state = adapter.reset(state)
     t_seg = time.perf_counter()
     pending = None
     for batch, placed, stop_now in _batches(setup, adapter, seg, unit.batch, stop):

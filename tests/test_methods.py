@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -11,6 +12,7 @@ import pytest
 from flax import traverse_util
 
 from pcsr_jax import engine, methods
+from pcsr_jax.methods import base
 from test_losses import np_entropy
 from tiny import TINY, batches, tiny_model
 
@@ -74,6 +76,40 @@ def test_sar_default_skips_blocks_9_to_11_of_vit_base():
   chosen = {p[0] for p in paths if methods.SAR().trainable(p)}
   assert chosen == {f"blocks_{i}" for i in range(9)}
   assert configs.get_config("vit_base_patch16_224").depth == 12
+
+
+def official_layernorm_set(params, skip_names: tuple[str, ...]) -> set[str]:
+  """The LayerNorm params that the official ``collect_params`` (SAR's ``sar.py``, DPAL's ``dpal.py``) adapt,
+  by its own string test on the PyTorch module names ('blocks_21/norm1' is timm's 'blocks.21.norm1')."""
+  chosen = set()
+  for path in traverse_util.flatten_dict(params):
+    nm = ".".join(path[:-1]).replace("blocks_", "blocks.")
+    if len(path) < 2 or path[-2] not in ("norm1", "norm2", "norm") or any(s in nm for s in skip_names):
+      continue
+    if "norm." in nm or nm in ["norm"]:
+      continue
+    chosen.add("/".join(path))
+  return chosen
+
+
+def test_layernorms_at_depth_24_follow_each_official_string_test():
+  """ViT-L's depth: `pcsr` freezes what DCT's and DPAL's code freeze (blocks 9-11 and 21-23), `sar` what SAR's
+  code freezes (9-11 only)."""
+  cfg = dataclasses.replace(TINY, depth=24, embed_dim=8, num_heads=1, num_classes=4)
+  model, params = tiny_model(cfg)
+  sar_names = ("blocks.9", "blocks.10", "blocks.11")
+  authors_names = sar_names + ("blocks.21", "blocks.22", "blocks.23")
+
+  def adapted_layernorms(method):
+    prep = method.prepare(model, params, jax.random.key(0), 2)
+    return {p for p in flat_paths(base.split(prep.params, prep.is_trainable)[1]) if not p.startswith("recal_")}
+
+  assert adapted_layernorms(methods.get("sar")) == official_layernorm_set(params, sar_names)
+  want = official_layernorm_set(params, authors_names)
+  assert "blocks_12/norm1/scale" in want and "blocks_21/norm1/scale" not in want and "blocks_19/norm2/bias" in want
+  assert adapted_layernorms(methods.get("pcsr")) == want
+  # The ViT-L preset has the same set (it changes only the learning rates).
+  assert adapted_layernorms(methods.PCSR.preset("vit_large_patch16_224")) == want
 
 
 @pytest.mark.parametrize("name", ["tent", "sar", "pcsr", "pcsr-frozen"])

@@ -257,6 +257,25 @@ def test_consistency_chunks_give_the_full_batch_step():
   assert moved > 1e-4  # the step moved the params, so equal params say something
 
 
+@pytest.mark.parametrize("keep", [True, False])
+def test_cmf_reset_between_domains_keeps_the_filter_variance_as_dt(keep):
+  """DT's ``reset()`` reloads the models, the optimizer and the class-probability EMA but not ``hidden_var``:
+  `Adapter.reset` (the harness's reset per domain) gives the source state with the last domain's ``var``;
+  ``keep_var_on_reset=False`` gives the source state whole."""
+  ad = tiny_adapter(methods.get("cmf", lr=0.05, use_consistency=False, keep_var_on_reset=keep))
+  state = ad.reset()
+  for x in batches(2, B, seed=3):
+    state, _, _ = ad.step(state, x)
+  var = float(state.extra.var)
+  assert var > 0
+  new, fresh = ad.reset(state), ad.init_state()
+  assert float(new.extra.var) == (var if keep else 0.0)
+  for a, b in zip(jax.tree.leaves(new.replace(extra=new.extra.replace(var=fresh.extra.var), rng=None)),
+                  jax.tree.leaves(fresh.replace(rng=None))):
+    np.testing.assert_array_equal(a, b)
+  np.testing.assert_array_equal(jax.random.key_data(new.rng), jax.random.key_data(fresh.rng))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["roid", "cmf"])
 def test_ragged_batch_equals_the_unpadded_step(name):

@@ -1,7 +1,8 @@
 """The baselines' augmentation pipelines, seeded and jit-able, on ``[B, H, W, C]`` pixels in [0, 1].
 
 - :func:`tta_augment` with :data:`COTTA` / :data:`ROID`: CoTTA's ``get_tta_transforms``
-  (``qinenergy/cotta:imagenet/cotta.py``, ``my_transforms.py``) and ROID's ``cotta_augs=False`` variant
+  (``qinenergy/cotta:imagenet/cotta.py``, ``my_transforms.py``; its ``cifar/cotta.py`` is the same pipeline
+  at 32 px, padding ``H // 2`` as here) and ROID's ``cotta_augs=False`` variant
   (DT ``classification/augmentations/transforms_cotta.py``, used by ``methods/roid.py``).
 - :func:`adacontrast_strong` / :func:`adacontrast_weak`: DT ``transforms_adacontrast.py`` "moco-v2-light" and
   "plain" at ``res_size = crop_size = input size`` (its ImageNet-C setting).

@@ -192,9 +192,18 @@ def is_layernorm_param(path: Path) -> bool:
   return len(path) >= 2 and path[-2] in ("norm1", "norm2", "norm") and path[-1] in ("scale", "bias")
 
 
+# The blocks whose LayerNorms the official codes' ``collect_params`` leave frozen. Their test is on module
+# names: skip a module whose name contains 'blocks.9', 'blocks.10', ... as a substring (and the final 'norm').
+# A block's LayerNorm is 'blocks.<i>.norm1', so 'blocks.<k>' hits block i iff str(i) starts with str(k):
+# 'blocks.9' misses 'blocks.19', 'blocks.21' misses 'blocks.2'. Below 90 blocks (`models.configs`' deepest, ViT-H,
+# has 32) the test hits exactly these block numbers, at every depth (ViT-B's 12 blocks have no 21-23).
+SAR_SKIP_BLOCKS = (9, 10, 11)  # mr-eggplant/SAR sar.py: 'blocks.9', 'blocks.10', 'blocks.11'
+AUTHORS_SKIP_BLOCKS = (9, 10, 11, 21, 22, 23)  # DCT's and DPAL's dct.py, dpal.py (and their sar.py): + 21-23
+
+
 def is_block_layernorm_param(path: Path, skip_blocks: tuple[int, ...]) -> bool:
-  """SAR's and DeYO's adapted params: the LayerNorms of the blocks not in ``skip_blocks`` (their code skips
-  modules named 'blocks.9', 'blocks.10', 'blocks.11' and the final 'norm')."""
+  """The LayerNorms of the blocks not in ``skip_blocks`` (never the final norm): SAR's, DeYO's and `pcsr`'s
+  adapted backbone params (`SAR_SKIP_BLOCKS`, `AUTHORS_SKIP_BLOCKS`)."""
   if not is_layernorm_param(path) or path[0] == "norm":
     return False
   return not (path[0].startswith("blocks_") and int(path[0].split("_")[1]) in skip_blocks)
@@ -353,6 +362,11 @@ class Method(abc.ABC):
   def init_extra(self, prep: Prepared, trainable: Params, opt_state: Any) -> Any:
     """The method's own state at the start of a stream (a pytree, or None): see `AdaptState.extra`."""
     return None
+
+  def extra_after_reset(self, fresh: Any, previous: Any) -> Any:
+    """The method's own state at a reset between domains (`engine.Adapter.reset`), from ``fresh`` (`init_extra`'s)
+    and ``previous`` (the last domain's): ``fresh``, unless the official ``reset()`` keeps part of it (CMF)."""
+    return fresh
 
   def margin(self, num_classes: int) -> float:
     return losses.entropy_margin(num_classes, self.margin_factor)

@@ -16,6 +16,12 @@ hidden model starts as the source and ``var`` at 0. DT's hidden model holds ever
 trainable ones ever differ from the source (the others are averages of equal values), so only those are
 carried. ``var`` and ``beta`` are float32 here, Python floats in DT.
 
+A reset between domains (DT's ``reset()``, called before each corruption in ``reset_each_shift``) reloads
+the three models, the optimizer and ROID's class-probability EMA, but not ``hidden_var``: the filter's
+variance carries from one corruption to the next (the first starts at 0). So does ``var`` here
+(`Method.extra_after_reset`, `engine.Adapter.reset`); ``keep_var_on_reset=False`` restarts it at 0 with the
+rest, this project's behaviour before it followed the code (and what reset per corruption suggests).
+
 DT's ``CMF.TYPE = "op"`` meant to merge the *predicted* hidden model in step 3, but ``ema_update_model``
 updates in place and returns its argument, so it merges the updated one as ``"lp"`` does: one form only.
 """
@@ -53,6 +59,7 @@ class CMF(ROIDBase):
   alpha: float = 0.99  # hidden-model prediction towards the source
   gamma: float = 0.99  # target <- gamma target + (1 - gamma) hidden
   q: float = 0.005  # process noise for #trainable = 38400; scaled by #trainable / 38400
+  keep_var_on_reset: bool = True  # DT's reset() keeps hidden_var across domains; False: back to 0
 
   def __post_init__(self):
     super().__post_init__()
@@ -66,6 +73,10 @@ class CMF(ROIDBase):
     base = super().init_extra(prep, trainable, opt_state)
     return CMFState(probs_ema=base.probs_ema, source=base.source, hidden=jax.tree.map(jnp.array, trainable),
                     var=jnp.zeros((), jnp.float32))
+
+  def extra_after_reset(self, fresh, previous):
+    """DT's ``reset()``: everything from the source but the filter's variance (module doc)."""
+    return fresh.replace(var=previous.var) if self.keep_var_on_reset else fresh
 
   def process_noise(self, trainable) -> float:
     """DT's ``q = CMF.Q * num_trainable_params / 38400``."""

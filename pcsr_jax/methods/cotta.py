@@ -25,6 +25,11 @@ As ``qinenergy/cotta:imagenet/cotta.py`` runs it, with the ViT optimizer of ``mr
 * Prediction: the teacher's (possibly augmentation-averaged) logits, computed before this step's update, so
   ``eval_orders = ("before",)``: the student's "after" forward is not what CoTTA reports.
 
+The official CIFAR code (``qinenergy/cotta:cifar/cotta.py``) builds the same views at 32 px: its
+``get_tta_transforms`` is the ImageNet file's with ``img_shape`` 32 (padding 16, a 32 px centre crop), the
+strengths unchanged, which is what the pipeline here computes on 32 px images. Its config differs elsewhere
+(``cfgs/cifar10/cotta.yaml``: Adam lr 1e-3, ``rst`` 0.01, ``ap`` 0.92, batch 200, a one-sided cross-entropy).
+
 The step receives normalized images; the augmentation works on [0, 1] pixels (the official ImageNet models
 normalize inside the network), so the step denormalizes with the ``mean``/``std`` fields (default 0.5: the
 augreg ViT's), augments and normalizes again. ``augment_normalized=True`` instead applies the augmentation to

@@ -6,16 +6,28 @@ PCSR has no public code; its authors' three earlier ViT methods with code
 modules on top, and PCSR's Table 3 "Baseline Method" scores exactly SAR's 63.6.
 This follows DPAL (``dpal.py``, ``main.py``), whose loss is PCSR's eq. 9:
 
-* Adapted: LayerNorm scale/bias of blocks 0-8 (SAR's set, lr 0.001 * B / 64;
-  DPAL used 0.01: ``lr_norm``) and the FGN (lr 0.0005; ViT-L 0.0001) in SAM
-  (rho 0.05) over SGD momentum 0.9; the DSN (lr 0.2; ViT-L 0.05) in a separate
-  plain SGD, momentum 0.9 (``dsn_optimizer='sam'`` puts it inside SAM).
+* Adapted: LayerNorm scale/bias of blocks 0-8 and, at ViT-L's 24 blocks, 12-20
+  (lr 0.001 * B / 64, SAR's; DPAL used 0.01: ``lr_norm``) and the FGN (lr
+  0.0005; ViT-L 0.0001) in SAM (rho 0.05) over SGD momentum 0.9; the DSN (lr
+  0.2; ViT-L 0.05) in a separate plain SGD, momentum 0.9
+  (``dsn_optimizer='sam'`` puts it inside SAM).
 * Step (DPAL's order): first forward -> loss = reliable entropy (``ent < E0``)
   + lambda * similarity (eq. 9, lambda = n_reliable / B) -> backward -> DSN
   step -> SAM first step (LayerNorms and FGN perturbed by rho * g / ||g||,
   the norm over SAM's params) -> second forward at the perturbed weights with
   the updated DSN -> entropy only, re-filtered among the first mask -> SAM
   second step (weights restored, SGD step with the second gradient).
+* Frozen LayerNorms (``skip_blocks``): DCT's and DPAL's ``collect_params``
+  skip the modules whose names contain 'blocks.9', 'blocks.10', 'blocks.11',
+  'blocks.21', 'blocks.22' or 'blocks.23' (and the final 'norm'): blocks 9-11
+  of ViT-B, 9-11 and 21-23 of ViT-L (`base.AUTHORS_SKIP_BLOCKS`). SAR's own
+  code skips 9-11 only, at every depth (`methods.sar`).
+* Departure: eq. 9's lambda divides n_reliable by the batch's real image
+  count; DPAL divides by its nominal ``args.test_batch_size`` on every batch,
+  so on a ragged last batch (ImageNet-C's 50,000 images at 64: one batch of 16
+  per corruption) its lambda is a quarter of ours. The paper's lambda is the
+  batch's share of reliable samples, which ours is on every batch; full
+  batches agree.
 * Recovery: SAR's EMA of the second loss; below 0.2 the whole model state
   taken at construction comes back -- LayerNorms, DSN and FGN -- and each
   optimizer's ``load_state_dict``: the plain SGD's restores its (empty)
@@ -45,8 +57,9 @@ import optax
 
 from pcsr_jax import losses
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import (RESET_OPTIMIZER, Method, Prepared, Recovery, group_sgd, is_layernorm_param, merge,
-                                   parallel, recover, sam_perturb, sar_code_lr, split)
+from pcsr_jax.methods.base import (AUTHORS_SKIP_BLOCKS, RESET_OPTIMIZER, Method, Prepared, Recovery, group_sgd,
+                                   is_block_layernorm_param, is_layernorm_param, merge, parallel, recover,
+                                   sam_perturb, sar_code_lr, split)
 from pcsr_jax.models import pcsr
 from pcsr_jax.models.vit import init_params
 
@@ -77,7 +90,7 @@ class PCSR(Method):
   similarity_weight: float = 1.0  # scales eq. 9's lambda (1: the paper; 0: entropy only, an ablation)
   # recipe "sar"
   rho: float = 0.05
-  skip_blocks: tuple[int, ...] = (9, 10, 11)  # LayerNorms of these blocks (and the final norm) stay frozen
+  skip_blocks: tuple[int, ...] = AUTHORS_SKIP_BLOCKS  # LayerNorms of these blocks (and the final norm) stay frozen
   dsn_optimizer: str = "separate"  # "separate": DPAL's plain SGD on the first-pass loss; "sam": inside SAM
   reset_optimizer: str = "official"
   ema_decay: float = 0.9
@@ -121,9 +134,7 @@ class PCSR(Method):
       return False
     if self.recipe == "frozen":
       return self.adapt_norms
-    if path[0] == "norm":
-      return False
-    return not (path[0].startswith("blocks_") and int(path[0].split("_")[1]) in self.skip_blocks)
+    return is_block_layernorm_param(path, self.skip_blocks)
 
   def in_sam(self, path) -> bool:
     return param_group(path) != "dsn" or self.dsn_optimizer == "sam"
@@ -155,7 +166,8 @@ class PCSR(Method):
     l_ent = losses.masked_mean(ent, mask)
     sims = jax.tree.leaves(sown.get("losses", {}))  # one [B] per layer call
     l_sim = losses.similarity_loss(jnp.stack(sims), valid) if sims else jnp.zeros(())
-    lam = self.similarity_weight * jnp.sum(mask) / jnp.maximum(jnp.sum(valid), 1)  # eq. 9's lambda
+    # Eq. 9's lambda: the share of reliable images among the real ones (DPAL: / its nominal batch size; doc).
+    lam = self.similarity_weight * jnp.sum(mask) / jnp.maximum(jnp.sum(valid), 1)
     return l_ent + lam * l_sim, (logits, mask, l_ent, l_sim)
 
   def update(self, prep, frozen, state, images, valid):

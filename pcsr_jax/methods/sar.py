@@ -2,7 +2,12 @@
 
 * Adapted: weight and bias of norm1 and norm2 in every block except blocks 9,
   10 and 11 (the code skips modules whose name contains 'blocks.9',
-  'blocks.10', 'blocks.11' and the final 'norm').
+  'blocks.10', 'blocks.11' and the final 'norm'). That string test hits
+  blocks 9-11 only at any depth below 90 ('blocks.9' is no substring of
+  'blocks.19'), so ViT-L adapts blocks 0-8 and 12-23 (`base.SAR_SKIP_BLOCKS`).
+  This is SAR's own code; the copies of ``sar.py`` in the PCSR authors' DCT and
+  DPAL repositories also skip 'blocks.21'-'blocks.23', as their methods do
+  (`methods.pcsr`, `base.AUTHORS_SKIP_BLOCKS`): ``skip_blocks`` gives theirs.
 * Optimizer: SAM (rho 0.05, not adaptive) over SGD(lr = 0.001 * B / 64,
   momentum 0.9); the lr is doubled at batch size 1.
 * Step: entropy -> mask ``ent < E0`` (strict) -> mean over the mask -> grad ->
@@ -37,8 +42,8 @@ import jax.numpy as jnp
 
 from pcsr_jax import losses
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import (RESET_OPTIMIZER, Method, Prepared, Recovery, is_block_layernorm_param, recover,
-                                   sam_perturb, sar_code_lr, sgd)
+from pcsr_jax.methods.base import (RESET_OPTIMIZER, SAR_SKIP_BLOCKS, Method, Prepared, Recovery,
+                                   is_block_layernorm_param, recover, sam_perturb, sar_code_lr, sgd)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +56,7 @@ class SAR(Method):
   rho: float = 0.05
   reset_constant: float = 0.2
   ema_decay: float = 0.9
-  skip_blocks: tuple[int, ...] = (9, 10, 11)
+  skip_blocks: tuple[int, ...] = SAR_SKIP_BLOCKS
   clear_ema_on_reset: bool = False
   reset_optimizer: str = "official"  # "official": SAM's inner momentum survives a reset; "all": cleared too
 
