@@ -1,6 +1,8 @@
 """The interface every online TTA method implements, and the state it carries.
 
-A method is a frozen dataclass with three jobs:
+A method is a frozen dataclass of hyperparameters, each declared with the values it accepts (`field`: a
+range, the allowed strings; checked when the method is built, `tests/test_hyperparameters.py` walks them all),
+with three jobs:
 
 * `Method.prepare` says *what* adapts: it may add modules to the model (PCSR
   adds its recalibrators), returns the full params, a predicate over parameter
