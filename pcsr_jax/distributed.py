@@ -22,7 +22,11 @@ On CPU, jax 0.10 runs cross-process collectives with gloo by default once the di
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
+import socket
+import sys
+import time
 from typing import Iterator, Optional
 
 import jax
@@ -34,11 +38,72 @@ from pcsr_jax.errors import UserError
 WAIT_S = 24 * 3600
 
 
+def parse_address(address: str) -> tuple[str, int]:
+  """``(host, port)`` of a ``--coordinator`` address: ``HOST:PORT`` with a non-empty host and a port from 1 to
+  65535, an IPv6 host in brackets (``[::1]:1234``). jax takes the text after the last ``:`` as the port without
+  a check: no port is an IndexError, a port that is not a number a segmentation fault."""
+  bad = lambda why: UserError(f"--coordinator '{address}': {why}")
+  if address.startswith("["):
+    host, sep, port = address[1:].partition("]:")
+    if not sep or not host:
+      raise bad("expected [IPV6]:PORT")
+  else:
+    host, sep, port = address.rpartition(":")
+    if not sep:
+      raise bad("expected HOST:PORT")
+    if not host or ":" in host:
+      raise bad("expected HOST:PORT (a non-empty host; an IPv6 address in brackets: [::1]:PORT)")
+  if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+    raise bad(f"expected a port from 1 to 65535, got '{port}'")
+  return host, int(port)
+
+
+def check_port_free(address: str, port: int) -> None:
+  """Process 0's coordinator binds ``[::]:PORT``; a port in use there ends jax in a segmentation fault."""
+  for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+    try:
+      with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, port))
+      return
+    except OSError as e:
+      if family == socket.AF_INET6 and e.errno != errno.EADDRINUSE:  # no IPv6 on this host: try IPv4
+        continue
+      raise UserError(f"--coordinator '{address}': process 0 cannot start the coordinator on port {port} of this "
+                      f"host ({e.strerror or e})") from None
+
+
+def wait_for_coordinator(address: str, host: str, port: int, timeout_s: float) -> None:
+  """Waits until something accepts connections at the coordinator's address (process 0 may start later), at most
+  ``timeout_s``. jax itself would wait as long and then abort the process with a C++ stack dump."""
+  deadline = time.monotonic() + timeout_s
+  while True:
+    try:
+      with socket.create_connection((host, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+        return
+    except OSError as e:
+      why = e.strerror or str(e) or type(e).__name__
+      if isinstance(e, socket.gaierror):
+        raise UserError(f"--coordinator '{address}': unknown host '{host}' ({why})") from None
+    if time.monotonic() >= deadline:
+      raise UserError(f"--coordinator '{address}': no coordinator answered within {timeout_s:g} s (--init-timeout; "
+                      f"last: {why}): is process 0 running there?")
+    time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
+
 def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] = None,
-               process_id: Optional[int] = None, auto: bool = False, heartbeat_timeout_s: int = 100) -> None:
+               process_id: Optional[int] = None, auto: bool = False, heartbeat_timeout_s: int = 100,
+               init_timeout_s: int = 300) -> None:
   """Joins a multi-process run: explicit ``coordinator`` (``HOST:PORT`` of process 0), ``num_processes`` and
   ``process_id``, or ``auto`` (jax's detection of a TPU pod, SLURM or Open MPI job, or the
-  ``JAX_COORDINATOR_ADDRESS`` environment). Does nothing when none is given. Must run before any JAX call."""
+  ``JAX_COORDINATOR_ADDRESS`` environment). Does nothing when none is given. Must run before any JAX call.
+
+  ``init_timeout_s`` bounds the start-up (jax's ``initialization_timeout``, 300 s by default). jax does not
+  raise when it runs out: it aborts the process with a C++ stack dump, and a malformed address or a port in use
+  crashes it. So the explicit form checks first, each failure one line naming ``--coordinator``: the address
+  (`parse_address`), the port free on process 0 (`check_port_free`), and on the others that the coordinator
+  accepts connections within the timeout (`wait_for_coordinator`). What is left to jax's abort: a coordinator
+  that answers but whose other processes do not all join within the timeout (process 0 prints how long it
+  waits)."""
   explicit = (coordinator, num_processes, process_id)
   if not auto and all(v is None for v in explicit):
     return
@@ -50,8 +115,20 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
                     f"got {process_id}")
   if heartbeat_timeout_s < 1:
     raise UserError(f"--heartbeat-timeout: expected a positive number of seconds, got {heartbeat_timeout_s}")
+  if init_timeout_s < 1:
+    raise UserError(f"--init-timeout: expected a positive number of seconds, got {init_timeout_s}")
+  start = time.monotonic()
+  if coordinator is not None:
+    host, port = parse_address(coordinator)
+    if process_id == 0:
+      check_port_free(coordinator, port)
+      print(f"process 0 of {num_processes}: waiting up to {init_timeout_s} s (--init-timeout) for the others to "
+            f"join at {coordinator}", file=sys.stderr, flush=True)
+    elif process_id is not None:
+      wait_for_coordinator(coordinator, host, port, init_timeout_s)
+  remaining = max(1, int(round(init_timeout_s - (time.monotonic() - start))))
   try:
-    jax.distributed.initialize(coordinator, num_processes, process_id,
+    jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=remaining,
                                heartbeat_timeout_seconds=int(heartbeat_timeout_s))
   except (ValueError, RuntimeError) as e:  # no cluster detected, a bad address, a backend already started
     raise UserError(f"jax.distributed.initialize failed: {str(e).splitlines()[0]}") from None

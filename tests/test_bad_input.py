@@ -115,7 +115,7 @@ def test_flag_values(world, tmp_path):
                        ("--row-chunk: expected a positive integer", ["--row-chunk", "0"]),
                        ("--imbalance-ratio: expected a number >= 1", ["--imbalance-ratio", "-1"]),
                        ("tent lr: expected None or float, got 'fast'", ["--method-args", '{"tent": {"lr": "fast"}}']),
-                       ("tent lr: expected a finite number, got nan", ["--method-args", '{"tent": {"lr": NaN}}']),
+                       ("tent lr: expected None or a number > 0, got nan", ["--method-args", '{"tent": {"lr": NaN}}']),
                        ("--eval-order perturbed: not available for source", ["--eval-order", "perturbed"]),
                        ("--source-images: expected a positive integer", ["--source-images", "0"]),
                        ("--source-data /nowhere: not a folder", ["--source-data", "/nowhere"]),

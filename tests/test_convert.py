@@ -119,6 +119,45 @@ def test_convert_checkpoint_infers_standard_arch(tmp_path):
     np.testing.assert_array_equal(back[k], sd[k], err_msg=k)
 
 
+def tiny_state_dict(seed: int = 0):
+  cfg = configs.get_config("vit_tiny_patch16_224", num_classes=5)
+  return {k: np.random.default_rng(seed).standard_normal(s).astype(np.float32) * 0.02
+          for k, s in weights.expected_shapes(cfg).items()}
+
+
+def write_pth(sd, path):
+  import torch
+
+  torch.save({k: torch.from_numpy(v) for k, v in sd.items()}, path)
+
+
+@pytest.mark.parametrize("ext", ["safetensors", pytest.param("pth", marks=pytest.mark.torch)])
+def test_dataparallel_module_prefix_is_stripped_in_every_format(tmp_path, ext):
+  """Keys saved from a DataParallel-wrapped model ('module.blocks.0...') convert alike from .safetensors and .pth
+  (the .safetensors was refused as 'missing key patch_embed.proj.weight')."""
+  from safetensors.numpy import save_file
+
+  sd = tiny_state_dict()
+  path = str(tmp_path / f"dp.{ext}")
+  (save_file if ext == "safetensors" else write_pth)({f"module.{k}": v for k, v in sd.items()}, path)
+  got, _ = weights.read_state_dict(path)
+  assert sorted(got) == sorted(sd)
+  for k in sd:
+    np.testing.assert_array_equal(got[k], sd[k], err_msg=k)
+  res = weights.convert_checkpoint(path, str(tmp_path / "out"))
+  back = weights.flax_to_timm(checkpoint.load(res["out"])[1])
+  np.testing.assert_array_equal(back["blocks.0.attn.qkv.weight"], sd["blocks.0.attn.qkv.weight"])
+
+
+def test_a_key_with_and_without_the_module_prefix_is_refused(tmp_path):
+  from safetensors.numpy import save_file
+
+  sd = tiny_state_dict()
+  save_file({**sd, "module.cls_token": sd["cls_token"]}, str(tmp_path / "both.safetensors"))
+  with pytest.raises(UserError, match="'cls_token' and 'module.cls_token' both present"):
+    weights.read_state_dict(str(tmp_path / "both.safetensors"))
+
+
 def run_cli(*args, cwd=ROOT):
   return subprocess.run([sys.executable, os.path.join(ROOT, "convert_weights.py"), *args], cwd=cwd,
                         capture_output=True, text=True, timeout=120)

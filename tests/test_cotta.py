@@ -52,7 +52,7 @@ def test_adapts_every_weight_and_bias_but_not_the_tokens():
   assert flat_paths(state.extra.teacher) == flat_paths(state.trainable)
   assert flat_paths(ad.consts["source"]) == flat_paths(state.trainable)
   for bad, match in ((dict(rst=1.5), "rst"), (dict(mt=-0.1), "mt"), (dict(n_aug=0), "n_aug"),
-                     (dict(aug_chunk=64), "aug_chunk"), (dict(std=(0.5, 0.0, 0.5)), "mean/std"),
+                     (dict(aug_chunk=64), "aug_chunk"), (dict(std=(0.5, 0.0, 0.5)), "cotta std"),
                      (dict(lr=0.0), "lr")):
     with pytest.raises(UserError, match=match):
       methods.get("cotta", **bad)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -204,3 +205,47 @@ def test_flags_must_come_together():
   distributed.initialize()  # nothing asked: a one-process run, nothing started
   assert not distributed.is_multiprocess() and distributed.is_main()
   assert distributed.Exchange().allgather("x") == ["x"]
+
+
+@pytest.mark.parametrize("address, why", [
+    ("localhost", "expected HOST:PORT"), ("localhost:notaport", "a port from 1 to 65535"),
+    ("localhost:0", "a port from 1 to 65535"), ("localhost:65536", "a port from 1 to 65535"),
+    ("localhost:", "a port from 1 to 65535"), (":1234", "non-empty host"), ("::1:1234", "in brackets"),
+    ("[::1]", r"expected \[IPV6\]:PORT"), ("[]:1234", r"expected \[IPV6\]:PORT"),
+    ("localhost:١٢", "a port from 1 to 65535")])
+def test_a_malformed_coordinator_address_is_one_line_before_jax(address, why):
+  """jax takes the text after the last ':' as the port unchecked: no port is an IndexError, 'notaport' a
+  segmentation fault. Every process checks the address first (process 1 here: no port is bound or probed)."""
+  with pytest.raises(UserError, match=f"--coordinator '{re.escape(address)}': .*{why}"):
+    distributed.initialize(address, 2, 1)
+
+
+def test_coordinator_addresses_that_parse():
+  assert distributed.parse_address("localhost:1234") == ("localhost", 1234)
+  assert distributed.parse_address("10.0.0.2:65535") == ("10.0.0.2", 65535)
+  assert distributed.parse_address("[::1]:1") == ("::1", 1)
+
+
+def test_process_0_refuses_a_port_in_use():
+  """A port in use ends jax's coordinator in a segmentation fault; here one line naming --coordinator."""
+  with socket.socket() as s:
+    s.bind(("", 0))
+    s.listen()
+    port = s.getsockname()[1]
+    with pytest.raises(UserError, match=f"--coordinator 'localhost:{port}': process 0 cannot start"):
+      distributed.initialize(f"localhost:{port}", 2, 0)
+
+
+def test_an_unreachable_coordinator_is_one_line_within_the_timeout():
+  """Nothing listens at the coordinator's port: jax waits its 300 s and aborts with a C++ stack dump; here
+  process 1 gives up after --init-timeout with one line (the real CLI, exit 2)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  start = time.time()
+  p = subprocess.run([sys.executable, SCRIPT, "--images", "8", "--methods", "source", "--output", "unused",
+                      "--coordinator", f"localhost:{free_port()}", "--num-processes", "2", "--process-id", "1",
+                      "--init-timeout", "2"], env=env, capture_output=True, text=True, timeout=120)
+  took = time.time() - start
+  assert p.returncode == 2, p.stderr[-2000:]
+  assert "no coordinator answered within 2 s" in p.stderr and "--coordinator" in p.stderr
+  assert len(p.stderr.strip().splitlines()) == 1, p.stderr[-2000:]
+  assert took < 60

@@ -64,6 +64,8 @@ def parser(prog: str, description: str, presets: dict) -> ArgumentParser:
                  help="let jax detect the cluster (TPU pod, SLURM, Open MPI, JAX_COORDINATOR_ADDRESS)")
   g.add_argument("--heartbeat-timeout", type=int, default=100,
                  help="seconds after which a dead process stops the others (default 100)")
+  g.add_argument("--init-timeout", type=int, default=300,
+                 help="seconds the processes wait for each other (and for the coordinator) at the start (default 300)")
   return p
 
 
@@ -74,7 +76,7 @@ def start_devices(a) -> None:
 
   engine.use_cpu_devices(a.cpu_devices)
   distributed.initialize(a.coordinator, a.num_processes, a.process_id, auto=a.distributed,
-                         heartbeat_timeout_s=a.heartbeat_timeout)
+                         heartbeat_timeout_s=a.heartbeat_timeout, init_timeout_s=a.init_timeout)
 
 
 def config_from_args(a, presets: dict, defaults: Optional[dict] = None):

@@ -10,7 +10,6 @@ new file and add a line to ``REGISTRY``.
 from __future__ import annotations
 
 import dataclasses
-import math
 import typing
 
 from pcsr_jax.errors import UserError, check_fields
@@ -63,7 +62,8 @@ def get(name: str, **hyperparameters) -> Method:
 
 def coerce(cls: type, values: dict, name: str) -> dict:
   """Checks hyperparameters against the method's field types (from JSON: a list becomes a tuple, an int a
-  float); a wrong type or a non-finite number is a one-line error, not a TypeError inside jit."""
+  float, in a tuple too); a wrong type is a one-line error, not a TypeError inside jit. The values' ranges
+  (finiteness included) are the fields' own (`base.field`), checked when the method is built."""
   hints = typing.get_type_hints(cls)
   out = {}
   for k, v in values.items():
@@ -71,16 +71,16 @@ def coerce(cls: type, values: dict, name: str) -> dict:
     optional = typing.get_origin(t) is typing.Union and type(None) in typing.get_args(t)
     if optional:
       t = next(a for a in typing.get_args(t) if a is not type(None))
+    item = typing.get_args(t)[0] if typing.get_origin(t) is tuple else None
     if v is None and optional:
       out[k] = v
-    elif t is float and isinstance(v, (int, float)) and not isinstance(v, bool):
-      if not math.isfinite(v):
-        raise UserError(f"{name} {k}: expected a finite number, got {v}")
+    elif t is float and _is_number(v):
       out[k] = float(v)
     elif t in (int, bool, str) and type(v) is t:
       out[k] = v
-    elif typing.get_origin(t) is tuple and isinstance(v, (list, tuple)) and all(
-        type(x) is typing.get_args(t)[0] for x in v):
+    elif item is float and isinstance(v, (list, tuple)) and all(_is_number(x) for x in v):
+      out[k] = tuple(float(x) for x in v)
+    elif item is not None and isinstance(v, (list, tuple)) and all(type(x) is item for x in v):
       out[k] = tuple(v)
     elif dataclasses.is_dataclass(t) and isinstance(v, (dict, t)):
       out[k] = v
@@ -88,6 +88,10 @@ def coerce(cls: type, values: dict, name: str) -> dict:
       want = getattr(t, "__name__", str(t))
       raise UserError(f"{name} {k}: expected {'None or ' if optional else ''}{want}, got {v!r}")
   return out
+
+
+def _is_number(v) -> bool:
+  return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 __all__ = ["AdaContrast", "AdaptState", "CFA", "CMF", "CoTTA", "DeYO", "EATA", "FOA", "MEMO", "Method", "PCSR",

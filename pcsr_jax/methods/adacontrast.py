@@ -47,7 +47,7 @@ import optax
 
 from pcsr_jax import augment
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import AdaptState, Method, Prepared, features_and_logits, merge
+from pcsr_jax.methods.base import AdaptState, Method, Prepared, features_and_logits, field, merge
 
 Array = jax.Array
 
@@ -110,37 +110,28 @@ class AdaContrast(Method):
   default_eval_order: ClassVar[str] = "after"
   eval_orders: ClassVar[tuple[str, ...]] = ("after",)
 
-  lr: float = 2e-4
-  momentum: float = 0.9
-  weight_decay: float = 1e-4
+  lr: float = field(2e-4, "> 0")
+  momentum: float = field(0.9, "[0, 1)")
+  weight_decay: float = field(1e-4, ">= 0")
   nesterov: bool = True
-  ema: float = 0.999  # key encoder momentum (DT M_TEACHER.MOMENTUM)
-  queue_size: int = 16384
-  temperature: float = 0.07
-  num_neighbors: int = 10
-  warmup: int = 1024  # samples labelled by plain argmax before the kNN refinement starts
-  alpha: float = 1.0  # CE
-  beta: float = 1.0  # InfoNCE
-  eta: float = 1.0  # diversity
-  seed: int = 0  # the random initial queue
-  mean: tuple[float, ...] = (0.5, 0.5, 0.5)  # the checkpoint's normalisation (augreg ViT)
-  std: tuple[float, ...] = (0.5, 0.5, 0.5)
+  ema: float = field(0.999, "[0, 1]")  # key encoder momentum (DT M_TEACHER.MOMENTUM)
+  queue_size: int = field(16384, ">= 1")
+  temperature: float = field(0.07, "> 0")
+  num_neighbors: int = field(10, ">= 1")
+  warmup: int = field(1024, ">= 0")  # samples labelled by plain argmax before the kNN refinement starts
+  alpha: float = field(1.0, ">= 0")  # CE
+  beta: float = field(1.0, ">= 0")  # InfoNCE
+  eta: float = field(1.0, ">= 0")  # diversity
+  seed: int = field(0, ">= 0")  # the random initial queue
+  # the checkpoint's normalisation (augreg ViT), one value per RGB channel (the augmentations')
+  mean: tuple[float, ...] = field((0.5, 0.5, 0.5), size=3)
+  std: tuple[float, ...] = field((0.5, 0.5, 0.5), "> 0", size=3)
 
   def __post_init__(self):
-    if self.num_neighbors < 1:
-      raise UserError(f"adacontrast num_neighbors: expected a positive integer, got {self.num_neighbors}")
+    super().__post_init__()
     if self.queue_size < self.num_neighbors:
       raise UserError(f"adacontrast queue_size: expected at least num_neighbors ({self.num_neighbors}), "
                       f"got {self.queue_size}")
-    if not 0.0 <= self.ema <= 1.0:
-      raise UserError(f"adacontrast ema: expected a number in [0, 1], got {self.ema}")
-    if self.temperature <= 0:
-      raise UserError(f"adacontrast temperature: expected a positive number, got {self.temperature}")
-    if self.warmup < 0:
-      raise UserError(f"adacontrast warmup: expected a non-negative integer, got {self.warmup}")
-    if len(self.mean) != len(self.std) or min(self.std) <= 0:
-      raise UserError(f"adacontrast mean/std: expected one mean and one positive std per channel, got "
-                      f"{self.mean}, {self.std}")
 
   def prepare(self, model, params, rng, batch_size):
     if self.queue_size < batch_size:

@@ -1,6 +1,8 @@
 """The interface every online TTA method implements, and the state it carries.
 
-A method is a frozen dataclass with three jobs:
+A method is a frozen dataclass of hyperparameters, each declared with the values it accepts (`field`: a
+range, the allowed strings; checked when the method is built, `tests/test_hyperparameters.py` walks them all),
+with three jobs:
 
 * `Method.prepare` says *what* adapts: it may add modules to the model (PCSR
   adds its recalibrators), returns the full params, a predicate over parameter
@@ -22,7 +24,10 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import math
+import re
+import typing
 from typing import Any, Callable, ClassVar, Iterator, Mapping, NamedTuple, Optional
 
 import flax
@@ -34,6 +39,7 @@ import optax
 from flax import traverse_util
 
 from pcsr_jax import losses
+from pcsr_jax.errors import UserError
 from pcsr_jax.models import vit
 
 Array = jax.Array
@@ -300,6 +306,117 @@ def sar_code_lr(batch_size: int) -> float:
   return 0.001 * batch_size / 64
 
 
+def field(default: Any, check: Any = None, *, size: Optional[int] = None) -> Any:
+  """A method's hyperparameter declared with the values it accepts, which `Method.__post_init__` checks (so
+  ``methods.get`` and direct construction refuse alike, in one line: ``<method> <field>: expected ..., got ...``).
+
+  ``check`` is a range as text: ``"> 0"``, ``">= 0"``, ``"[0, 1]"``, ``"[0, 1)"``, ``"(0, 1]"`` (an int or float
+  field's value, a tuple field's every element), or a tuple of the allowed values (a str field); None: any finite
+  value. ``size``: the exact length of a tuple field. Besides: an int field takes ints, a float field ints and
+  floats, all finite (tuple elements too), and an ``Optional`` field also None.
+  """
+  return dataclasses.field(default=default, metadata={"check": check, "size": size})
+
+
+_RANGE = re.compile(r"^(?:(>=|>)\s*(\S+)|([\[(])\s*([^,\s]+)\s*,\s*([^,\s]+)\s*([\])]))$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """What one hyperparameter accepts (`field`): ``kind`` is 'int', 'float', 'str' or 'bool' (a tuple's elements
+  when ``is_tuple``)."""
+
+  name: str
+  kind: str
+  is_tuple: bool = False
+  optional: bool = False
+  check: Any = None
+  size: Optional[int] = None
+
+  def bounds(self) -> tuple[float, float, bool, bool]:
+    """``(lo, hi, lo_open, hi_open)`` of a range check."""
+    m = _RANGE.match(self.check.strip())
+    if m is None:
+      raise ValueError(f"{self.name}: not a range: {self.check!r}")
+    if m.group(1):
+      return float(m.group(2)), math.inf, m.group(1) == ">", True
+    return float(m.group(4)), float(m.group(5)), m.group(3) == "(", m.group(6) == ")"
+
+  def describe(self) -> str:
+    if isinstance(self.check, tuple):
+      return "one of " + ", ".join(map(str, self.check))
+    what = {"int": "integer", "float": "number"}.get(self.kind, self.kind)
+    rng = ""
+    if self.check is not None:
+      lo, hi, lo_open, hi_open = self.bounds()
+      if hi == math.inf:
+        rng = f" {'>' if lo_open else '>='} {lo:g}"
+      else:
+        rng = f" in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+    if self.is_tuple:
+      text = f"{self.size if self.size is not None else 'a tuple of'} {what}s{rng}"
+    else:
+      text = f"{'an' if what[0] in 'aeiou' else 'a'} {what}{rng}"
+    if self.kind == "float" and self.check is None:
+      text = text.replace("number", "finite number")
+    return ("None or " if self.optional else "") + text
+
+  def accepts(self, value: Any) -> bool:
+    if value is None:
+      return self.optional
+    if self.is_tuple:
+      return (isinstance(value, tuple) and (self.size is None or len(value) == self.size)
+              and all(self._accepts_one(v) for v in value))
+    return self._accepts_one(value)
+
+  def _accepts_one(self, v: Any) -> bool:
+    if self.kind in ("int", "float"):
+      number = int if self.kind == "int" else (int, float)
+      if isinstance(v, bool) or not isinstance(v, number) or not math.isfinite(v):
+        return False
+      if self.check is None:
+        return True
+      lo, hi, lo_open, hi_open = self.bounds()
+      return (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+    if isinstance(self.check, tuple):
+      return v in self.check
+    return True
+
+
+@functools.cache
+def specs(cls: type) -> tuple[Spec, ...]:
+  """The `Spec` of every hyperparameter of method class ``cls`` declared with `field`."""
+  hints = typing.get_type_hints(cls)
+  out = []
+  for f in dataclasses.fields(cls):
+    if "check" not in f.metadata:
+      continue
+    t = hints[f.name]
+    optional = typing.get_origin(t) is typing.Union and type(None) in typing.get_args(t)
+    if optional:
+      t = next(a for a in typing.get_args(t) if a is not type(None))
+    is_tuple = typing.get_origin(t) is tuple
+    if is_tuple:
+      t = typing.get_args(t)[0]
+    out.append(Spec(f.name, t.__name__, is_tuple, optional, f.metadata["check"], f.metadata["size"]))
+  return tuple(out)
+
+
+def check_hyperparameters(method: Any) -> None:
+  """One-line `UserError` for the first hyperparameter of ``method`` outside what its `field` declares, then for
+  the rules that tie fields together in every method that has them: a ``mean`` and a ``std`` per channel, and
+  Nesterov only with momentum (as ``torch.optim.SGD``)."""
+  for spec in specs(type(method)):
+    value = getattr(method, spec.name)
+    if not spec.accepts(value):
+      raise UserError(f"{method.name} {spec.name}: expected {spec.describe()}, got {value!r}")
+  mean, std = getattr(method, "mean", None), getattr(method, "std", None)
+  if mean is not None and std is not None and (not mean or len(mean) != len(std)):
+    raise UserError(f"{method.name} mean/std: expected one mean and one std per channel, got {mean} and {std}")
+  if getattr(method, "nesterov", False) and getattr(method, "momentum", None) == 0:
+    raise UserError(f"{method.name} nesterov: expected momentum > 0 with Nesterov (as torch.optim.SGD)")
+
+
 @dataclasses.dataclass(frozen=True)
 class Method(abc.ABC):
   """Base class of online TTA methods. Subclasses are frozen dataclasses of hyperparameters."""
@@ -313,8 +430,8 @@ class Method(abc.ABC):
   # Forward (F) and backward (B) passes of the backbone per batch, as the official code runs them.
   cost: ClassVar[str] = "1F+1B"
 
-  # Reliability threshold E0 = margin_factor * ln(C) (0.4 ln 1000 for ImageNet).
-  margin_factor: float = 0.4
+  # Reliability threshold E0 = margin_factor * ln(C) (0.4 ln 1000 for ImageNet; 0: no sample is reliable).
+  margin_factor: float = field(0.4, ">= 0")
 
   # Clean source data (`pcsr_jax.source_stats`): "none"; "required" (CFA, FOA: no source-free form);
   # "optional" (EATA: without it, its documented source-free form ETA runs, and the records say so).
@@ -323,6 +440,11 @@ class Method(abc.ABC):
   # the labels; `stats_key` names the statistics in the cache.
   source_images: ClassVar[Optional[int]] = None
   source_labels: ClassVar[bool] = False
+
+  def __post_init__(self):
+    """Checks the hyperparameters (`check_hyperparameters`). A subclass with rules that tie its own fields
+    together checks them in its ``__post_init__``, after calling this one."""
+    check_hyperparameters(self)
 
   @abc.abstractmethod
   def prepare(self, model: nn.Module, params: Params, rng: Array, batch_size: int) -> Prepared:

@@ -35,7 +35,7 @@ import numpy as np
 import optax
 
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import Method, Prepared, features_and_logits, is_layernorm_param, merge, sgd
+from pcsr_jax.methods.base import Method, Prepared, features_and_logits, field, is_layernorm_param, merge, sgd
 
 SAVE_MAX_MOMENT = 5  # main.py --save_max_moment: the statistics hold moments 1..5
 VALUE_RANGE = 2.0  # value_max - value_min of tanh's output
@@ -78,18 +78,12 @@ class CFA(Method):
   source_images: ClassVar[Optional[int]] = None  # the whole source (training) set
   source_labels: ClassVar[bool] = True
 
-  lr: float = 1e-3  # main.py --learning_rate_test (not scaled with the batch size)
-  momentum: float = 0.9
-  max_grad_norm: Optional[float] = 1.0  # None: --clip_grad_off
-  full_max_moment: int = 3
-  lambda1: float = 1.0  # weight of the full moment matching
-  lambda2: float = 1.0  # weight of the class-conditional term
-
-  def __post_init__(self):
-    if not 1 <= self.full_max_moment <= SAVE_MAX_MOMENT:
-      raise UserError(f"cfa full_max_moment: expected 1 to {SAVE_MAX_MOMENT}, got {self.full_max_moment}")
-    if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-      raise UserError(f"cfa max_grad_norm: expected None or a number > 0, got {self.max_grad_norm}")
+  lr: float = field(1e-3, "> 0")  # main.py --learning_rate_test (not scaled with the batch size)
+  momentum: float = field(0.9, "[0, 1)")
+  max_grad_norm: Optional[float] = field(1.0, "> 0")  # None: --clip_grad_off
+  full_max_moment: int = field(3, f"[1, {SAVE_MAX_MOMENT}]")
+  lambda1: float = field(1.0, ">= 0")  # weight of the full moment matching
+  lambda2: float = field(1.0, ">= 0")  # weight of the class-conditional term
 
   def prepare(self, model, params, rng, batch_size):
     tx = sgd(self.lr, self.momentum)

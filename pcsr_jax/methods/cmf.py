@@ -35,7 +35,7 @@ import flax
 import jax
 import jax.numpy as jnp
 
-from pcsr_jax.errors import UserError
+from pcsr_jax.methods.base import field
 from pcsr_jax.methods.roid import ROIDBase, ema
 
 Array = jax.Array
@@ -56,18 +56,10 @@ class CMFState:
 @dataclasses.dataclass(frozen=True)
 class CMF(ROIDBase):
   name: ClassVar[str] = "cmf"
-  alpha: float = 0.99  # hidden-model prediction towards the source
-  gamma: float = 0.99  # target <- gamma target + (1 - gamma) hidden
-  q: float = 0.005  # process noise for #trainable = 38400; scaled by #trainable / 38400
+  alpha: float = field(0.99, "[0, 1]")  # hidden-model prediction towards the source
+  gamma: float = field(0.99, "[0, 1]")  # target <- gamma target + (1 - gamma) hidden
+  q: float = field(0.005, ">= 0")  # process noise for #trainable = 38400; scaled by #trainable / 38400
   keep_var_on_reset: bool = True  # DT's reset() keeps hidden_var across domains; False: back to 0
-
-  def __post_init__(self):
-    super().__post_init__()
-    for field in ("alpha", "gamma"):
-      if not 0 <= getattr(self, field) <= 1:
-        raise UserError(f"cmf {field}: expected a number in [0, 1], got {getattr(self, field)}")
-    if not self.q >= 0:
-      raise UserError(f"cmf q: expected a non-negative number, got {self.q}")
 
   def init_extra(self, prep, trainable, opt_state):
     base = super().init_extra(prep, trainable, opt_state)

@@ -57,7 +57,7 @@ import optax
 from pcsr_jax import losses
 from pcsr_jax.augment import cotta_augment, denormalize, normalize
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import AdaptState, Method, Params, Path, Prepared, split
+from pcsr_jax.methods.base import AdaptState, Method, Params, Path, Prepared, field, split
 
 Array = jax.Array
 
@@ -91,31 +91,24 @@ class CoTTA(Method):
   cost: ClassVar[str] = "3F+1B (+32F)"  # student, anchor, plain teacher; 32 teacher forwards when triggered
   eval_orders: ClassVar[tuple[str, ...]] = ("before",)
 
-  lr: float = 0.005  # FOA/SPA's ViT value, not scaled with the batch size
-  momentum: float = 0.9
+  lr: float = field(0.005, "> 0")  # FOA/SPA's ViT value, not scaled with the batch size
+  momentum: float = field(0.9, "[0, 1)")
   nesterov: bool = False  # FOA/SPA; the official ResNet-50 config uses Nesterov
-  mt: float = 0.999  # teacher EMA momentum (alpha_teacher)
-  rst: float = 0.001  # stochastic restore probability per element
-  ap: float = 0.1  # augment when the batch mean of the anchor's max softmax probability is below this
-  n_aug: int = 32  # augmented views averaged by the teacher
-  aug_chunk: int = 1  # views forwarded at once (lax.map batch_size); 1: one after the other, as the official
-  mean: tuple[float, ...] = (0.5, 0.5, 0.5)  # the normalization of the step's images (augreg ViT: 0.5)
-  std: tuple[float, ...] = (0.5, 0.5, 0.5)
+  mt: float = field(0.999, "[0, 1]")  # teacher EMA momentum (alpha_teacher)
+  rst: float = field(0.001, "[0, 1]")  # stochastic restore probability per element
+  ap: float = field(0.1, "[0, 1]")  # augment when the batch mean of the anchor's max softmax probability is below this
+  n_aug: int = field(32, ">= 1")  # augmented views averaged by the teacher
+  # views forwarded at once (lax.map batch_size); 1: one after the other, as the official
+  aug_chunk: int = field(1, ">= 1")
+  # the normalization of the step's images (augreg ViT: 0.5), one value per RGB channel (the augmentations')
+  mean: tuple[float, ...] = field((0.5, 0.5, 0.5), size=3)
+  std: tuple[float, ...] = field((0.5, 0.5, 0.5), "> 0", size=3)
   augment_normalized: bool = False  # True: augment the normalized tensor, as FOA/SPA's ViT code does
 
   def __post_init__(self):
-    if not self.lr > 0:
-      raise UserError(f"cotta lr: expected a positive number, got {self.lr}")
-    for field in ("momentum", "mt", "rst"):
-      if not 0.0 <= getattr(self, field) <= 1.0:
-        raise UserError(f"cotta {field}: expected a number in [0, 1], got {getattr(self, field)}")
-    if self.n_aug < 1:
-      raise UserError(f"cotta n_aug: expected a positive integer, got {self.n_aug}")
-    if not 1 <= self.aug_chunk <= self.n_aug:
+    super().__post_init__()
+    if self.aug_chunk > self.n_aug:
       raise UserError(f"cotta aug_chunk: expected an integer from 1 to n_aug ({self.n_aug}), got {self.aug_chunk}")
-    if len(self.mean) != len(self.std) or not self.mean or min(self.std) <= 0:
-      raise UserError(f"cotta mean/std: expected two tuples of one value per channel with std > 0, got "
-                      f"{self.mean} and {self.std}")
 
   def prepare(self, model, params, rng, batch_size):
     _, source = split(params, is_weight_or_bias)

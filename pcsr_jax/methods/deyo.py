@@ -36,8 +36,8 @@ import jax.numpy as jnp
 
 from pcsr_jax import losses
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import (Method, Prepared, is_block_layernorm_param, kept_row_chunks, sar_code_lr, sgd,
-                                   shard_rows)
+from pcsr_jax.methods.base import (Method, Prepared, field, is_block_layernorm_param, kept_row_chunks, sar_code_lr,
+                                   sgd, shard_rows)
 
 Array = jax.Array
 
@@ -64,19 +64,15 @@ def shuffle_patches(images: Array, perms: Array, patch_len: int = 4) -> Array:
 class DeYO(Method):
   name: ClassVar[str] = "deyo"
   cost: ClassVar[str] = "1F (+1F+1B on the kept rows)"
-  lr: Optional[float] = None  # None: 0.001 * B / 64, doubled at B = 1
-  momentum: float = 0.9
-  ent_factor: float = 0.5  # filter 1: entropy < ent_factor * ln C (margin_factor = 0.4 is the reweighting E0)
-  plpd_threshold: float = 0.2
-  patch_len: int = 4
-  skip_blocks: tuple[int, ...] = (9, 10, 11)
-  shuffle_chunks: int = 4  # x' is forwarded in chunks of ceil(B / shuffle_chunks) rows (filter 1's rows only)
-
-  def __post_init__(self):
-    if self.patch_len < 1:
-      raise UserError(f"deyo patch_len: expected a positive integer, got {self.patch_len}")
-    if not (isinstance(self.shuffle_chunks, int) and self.shuffle_chunks >= 1):
-      raise UserError(f"deyo shuffle_chunks: expected a positive integer, got {self.shuffle_chunks}")
+  lr: Optional[float] = field(None, "> 0")  # None: 0.001 * B / 64, doubled at B = 1
+  momentum: float = field(0.9, "[0, 1)")
+  # filter 1: entropy < ent_factor * ln C (margin_factor = 0.4 is the reweighting E0)
+  ent_factor: float = field(0.5, ">= 0")
+  plpd_threshold: float = field(0.2, "[-1, 1]")  # PLPD is a difference of two probabilities
+  patch_len: int = field(4, ">= 1")
+  skip_blocks: tuple[int, ...] = field((9, 10, 11), ">= 0")
+  # x' is forwarded in chunks of ceil(B / shuffle_chunks) rows (filter 1's rows only)
+  shuffle_chunks: int = field(4, ">= 1")
 
   def trainable(self, path) -> bool:
     return is_block_layernorm_param(path, self.skip_blocks)

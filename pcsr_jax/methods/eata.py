@@ -35,7 +35,7 @@ from flax import traverse_util
 
 from pcsr_jax import losses
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import Method, Prepared, is_layernorm_param, merge, sar_code_lr, sgd
+from pcsr_jax.methods.base import Method, Prepared, field, is_layernorm_param, merge, sar_code_lr, sgd
 
 PROBS_MOMENTUM = 0.9  # update_model_probs: 0.9 * m + (1 - 0.9) * mean(new probs)
 
@@ -85,16 +85,10 @@ class EATA(Method):
   source_images: ClassVar[Optional[int]] = 2000  # main.py --fisher_size
   source_labels: ClassVar[bool] = False  # the Fisher's targets are the model's own predictions
 
-  lr: Optional[float] = None  # None: 0.001 * B / 64
-  momentum: float = 0.9
-  fisher_alpha: float = 2000.0  # main.py --fisher_alpha; 0: ETA
-  d_margin: float = 0.05  # main.py --d_margin
-
-  def __post_init__(self):
-    if not self.fisher_alpha >= 0:
-      raise UserError(f"eata fisher_alpha: expected a number >= 0, got {self.fisher_alpha}")
-    if not self.d_margin > 0:
-      raise UserError(f"eata d_margin: expected a number > 0, got {self.d_margin}")
+  lr: Optional[float] = field(None, "> 0")  # None: 0.001 * B / 64
+  momentum: float = field(0.9, "[0, 1)")
+  fisher_alpha: float = field(2000.0, ">= 0")  # main.py --fisher_alpha; 0: ETA
+  d_margin: float = field(0.05, "> 0")  # main.py --d_margin
 
   def uses_source_data(self) -> bool:
     return self.fisher_alpha != 0

@@ -44,8 +44,7 @@ import optax
 
 from pcsr_jax import losses
 from pcsr_jax.cmaes import CMAES, CMAState
-from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import Method, Prepared, in_row_passes, merge
+from pcsr_jax.methods.base import Method, Prepared, field, in_row_passes, merge
 
 Array = jax.Array
 
@@ -76,23 +75,15 @@ class FOA(Method):
   eval_orders: ClassVar[tuple[str, ...]] = ("before",)
   source_data: ClassVar[str] = "required"  # source_images None: all of them
 
-  num_prompts: int = 3
-  popsize: int = 27  # 4 + 3 ln(3 * 768), fixed in the official code
-  fitness_lambda: float = 0.4  # 0.2 for ImageNet-R
-  sigma0: float = 1.0
+  num_prompts: int = field(3, ">= 1")
+  popsize: int = field(27, ">= 3")  # 4 + 3 ln(3 * 768), fixed in the official code
+  fitness_lambda: float = field(0.4, ">= 0")  # 0.2 for ImageNet-R
+  sigma0: float = field(1.0, "> 0")  # CMA-ES's initial step size (0: no search, a division by 0)
   shift: bool = True  # activation shifting (eq. 7)
-  seed: int = 2020  # the initial prompts
+  seed: int = field(2020, ">= 0")  # the initial prompts
   # Candidates evaluated at once (jax.lax.map batch_size). 0: all 28 on a GPU/TPU, one at a time on a CPU, where a
   # 28x larger batch runs slower per image (ViT-S/16, batch 16, 2 cores: 34 s per step against 27.5 s).
-  chunk: int = 0
-
-  def __post_init__(self):
-    if self.num_prompts < 1:
-      raise UserError(f"foa num_prompts: expected a positive integer, got {self.num_prompts}")
-    if self.popsize < 3:
-      raise UserError(f"foa popsize: expected at least 3, got {self.popsize}")
-    if self.chunk < 0:
-      raise UserError(f"foa chunk: expected 0 (automatic) or a positive integer, got {self.chunk}")
+  chunk: int = field(0, ">= 0")
 
   def prepare(self, model, params, rng, batch_size):
     return Prepared(model, params, is_trainable=lambda path: False, tx=optax.identity())

@@ -45,8 +45,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from pcsr_jax import augment
-from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import AdaptState, Method, Prepared, shard_rows
+from pcsr_jax.methods.base import AdaptState, Method, Prepared, field, shard_rows
 
 Array = jax.Array
 
@@ -65,26 +64,17 @@ class MEMO(Method):
   cost: ClassVar[str] = "65F+64B"
   eval_orders: ClassVar[tuple[str, ...]] = ("before",)  # the logits `update` returns are post-update: see above
 
-  lr: float = 1e-5
-  weight_decay: float = 0.01
-  b1: float = 0.9
-  b2: float = 0.999
-  eps: float = 1e-8
-  views: int = 64
-  chunk: int = 1  # images adapted at once (vmapped); each holds its own gradients and params
-  mean: tuple[float, ...] = (0.5, 0.5, 0.5)  # the checkpoint's normalisation (augreg ViT)
-  std: tuple[float, ...] = (0.5, 0.5, 0.5)
-
-  def __post_init__(self):
-    if self.views < 1:
-      raise UserError(f"memo views: expected a positive integer, got {self.views}")
-    if self.chunk < 1:
-      raise UserError(f"memo chunk: expected a positive integer, got {self.chunk}")
-    if self.lr <= 0:
-      raise UserError(f"memo lr: expected a positive number, got {self.lr}")
-    if len(self.mean) != len(self.std) or min(self.std) <= 0:
-      raise UserError(f"memo mean/std: expected one mean and one positive std per channel, got {self.mean}, "
-                      f"{self.std}")
+  lr: float = field(1e-5, "> 0")
+  # AdamW's, with torch.optim.AdamW's ranges
+  weight_decay: float = field(0.01, ">= 0")
+  b1: float = field(0.9, "[0, 1)")
+  b2: float = field(0.999, "[0, 1)")
+  eps: float = field(1e-8, ">= 0")
+  views: int = field(64, ">= 1")
+  chunk: int = field(1, ">= 1")  # images adapted at once (vmapped); each holds its own gradients and params
+  # the checkpoint's normalisation (augreg ViT), one value per RGB channel (AugMix's)
+  mean: tuple[float, ...] = field((0.5, 0.5, 0.5), size=3)
+  std: tuple[float, ...] = field((0.5, 0.5, 0.5), "> 0", size=3)
 
   def prepare(self, model, params, rng, batch_size):
     tx = optax.adamw(self.lr, b1=self.b1, b2=self.b2, eps=self.eps, weight_decay=self.weight_decay)

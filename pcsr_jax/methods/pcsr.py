@@ -56,10 +56,9 @@ import jax.numpy as jnp
 import optax
 
 from pcsr_jax import losses
-from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import (AUTHORS_SKIP_BLOCKS, RESET_OPTIMIZER, Method, Prepared, Recovery, group_sgd,
-                                   is_block_layernorm_param, is_layernorm_param, merge, parallel, recover,
-                                   sam_perturb, sar_code_lr, split)
+from pcsr_jax.methods.base import (AUTHORS_SKIP_BLOCKS, RESET_OPTIMIZER, Method, Prepared, Recovery, field,
+                                   group_sgd, is_block_layernorm_param, is_layernorm_param, merge, parallel,
+                                   recover, sam_perturb, sar_code_lr, split)
 from pcsr_jax.models import pcsr
 from pcsr_jax.models.vit import init_params
 
@@ -82,32 +81,33 @@ class PCSR(Method):
   cost: ClassVar[str] = "2F+2B"
 
   config: pcsr.PCSRConfig = pcsr.PCSRConfig()
-  recipe: str = "sar"
-  lr_dsn: float = 0.2
-  lr_fgn: float = 0.0005
-  lr_norm: Optional[float] = None  # None: SAR's 0.001 * B / 64 (DPAL: 0.01)
-  momentum: float = 0.9
-  similarity_weight: float = 1.0  # scales eq. 9's lambda (1: the paper; 0: entropy only, an ablation)
+  recipe: str = field("sar", RECIPES)
+  # Learning rates of the three groups; 0 leaves a group as it is (an ablation).
+  lr_dsn: float = field(0.2, ">= 0")
+  lr_fgn: float = field(0.0005, ">= 0")
+  lr_norm: Optional[float] = field(None, ">= 0")  # None: SAR's 0.001 * B / 64 (DPAL: 0.01)
+  momentum: float = field(0.9, "[0, 1)")
+  # scales eq. 9's lambda (1: the paper; 0: entropy only, an ablation)
+  similarity_weight: float = field(1.0, ">= 0")
   # recipe "sar"
-  rho: float = 0.05
-  skip_blocks: tuple[int, ...] = AUTHORS_SKIP_BLOCKS  # LayerNorms of these blocks (and the final norm) stay frozen
-  dsn_optimizer: str = "separate"  # "separate": DPAL's plain SGD on the first-pass loss; "sam": inside SAM
-  reset_optimizer: str = "official"
-  ema_decay: float = 0.9
+  rho: float = field(0.05, ">= 0")
+  # LayerNorms of these blocks (and the final norm) stay frozen
+  skip_blocks: tuple[int, ...] = field(AUTHORS_SKIP_BLOCKS, ">= 0")
+  # "separate": DPAL's plain SGD on the first-pass loss; "sam": inside SAM
+  dsn_optimizer: str = field("separate", ("separate", "sam"))
+  reset_optimizer: str = field("official", RESET_OPTIMIZER)
+  ema_decay: float = field(0.9, "[0, 1]")
   clear_ema_on_reset: bool = False
   # recipe "frozen"
   adapt_norms: bool = False  # also adapt every LayerNorm (lr_norm)
   reset: bool = False  # SAR-style recovery (plain SGD: its momentum is restored with the params)
   # both
-  reset_constant: float = 0.2
+  reset_constant: float = field(0.2, ">= 0")
 
   def __post_init__(self):
     if isinstance(self.config, dict):  # from JSON (--method-args)
       object.__setattr__(self, "config", pcsr.PCSRConfig.from_dict(self.config))
-    for field, allowed in (("recipe", RECIPES), ("dsn_optimizer", ("separate", "sam")),
-                           ("reset_optimizer", RESET_OPTIMIZER)):
-      if getattr(self, field) not in allowed:
-        raise UserError(f"pcsr {field}: expected one of {', '.join(allowed)}, got '{getattr(self, field)}'")
+    super().__post_init__()
 
   @property
   def default_eval_order(self) -> str:  # type: ignore[override]

@@ -50,8 +50,8 @@ import jax.numpy as jnp
 import optax
 
 from pcsr_jax import augment, losses
-from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import AdaptState, Method, Prepared, is_layernorm_param, kept_row_chunks, shard_rows
+from pcsr_jax.methods.base import (AdaptState, Method, Prepared, field, is_layernorm_param, kept_row_chunks,
+                                   shard_rows)
 
 Array = jax.Array
 Params = Any
@@ -134,36 +134,20 @@ class ROIDBase(Method, abc.ABC):
   cost: ClassVar[str] = "1F+1B (+1F+1B on the kept rows)"
   eval_orders: ClassVar[tuple[str, ...]] = ("before",)
 
-  lr: float = 2.5e-4  # not scaled with the batch size (DT)
-  momentum: float = 0.9
+  lr: float = field(2.5e-4, "> 0")  # not scaled with the batch size (DT)
+  momentum: float = field(0.9, "[0, 1)")
   nesterov: bool = True
-  temperature: float = 1.0 / 3.0
-  momentum_probs: float = 0.9
+  temperature: float = field(1.0 / 3.0, "> 0")
+  momentum_probs: float = field(0.9, "[0, 1]")
   use_weighting: bool = True
   use_consistency: bool = True
   use_prior_correction: bool = True
-  mean: tuple[float, ...] = (0.5, 0.5, 0.5)  # the checkpoint's normalisation, for the augmentation
-  std: tuple[float, ...] = (0.5, 0.5, 0.5)
+  # the checkpoint's normalisation, for the augmentation (one value per RGB channel)
+  mean: tuple[float, ...] = field((0.5, 0.5, 0.5), size=3)
+  std: tuple[float, ...] = field((0.5, 0.5, 0.5), "> 0", size=3)
   # The consistency pass runs over the kept rows in chunks of ceil(B / consistency_chunks) rows (rounded up to
   # a multiple of the devices): more chunks waste less on a partly filled chunk, fewer fill big devices better.
-  consistency_chunks: int = 4
-
-  def __post_init__(self):
-    if not self.lr > 0:
-      raise UserError(f"{self.name} lr: expected a positive number, got {self.lr}")
-    if not 0 <= self.momentum < 1:
-      raise UserError(f"{self.name} momentum: expected a number in [0, 1), got {self.momentum}")
-    if self.nesterov and self.momentum == 0:
-      raise UserError(f"{self.name} nesterov: expected momentum > 0 with Nesterov (as torch.optim.SGD)")
-    if not self.temperature > 0:
-      raise UserError(f"{self.name} temperature: expected a positive number, got {self.temperature}")
-    if not 0 <= self.momentum_probs <= 1:
-      raise UserError(f"{self.name} momentum_probs: expected a number in [0, 1], got {self.momentum_probs}")
-    if not (isinstance(self.consistency_chunks, int) and self.consistency_chunks >= 1):
-      raise UserError(f"{self.name} consistency_chunks: expected a positive integer, got {self.consistency_chunks}")
-    if len(self.mean) != 3 or len(self.std) != 3 or min(self.std) <= 0:
-      raise UserError(f"{self.name} mean/std: expected three numbers each, std positive, got "
-                      f"{self.mean}, {self.std}")
+  consistency_chunks: int = field(4, ">= 1")
 
   def prepare(self, model, params, rng, batch_size):
     tx = optax.sgd(self.lr, momentum=self.momentum or None, nesterov=self.nesterov)  # == torch's Nesterov
@@ -249,12 +233,7 @@ class ROIDBase(Method, abc.ABC):
 @dataclasses.dataclass(frozen=True)
 class ROID(ROIDBase):
   name: ClassVar[str] = "roid"
-  momentum_src: float = 0.99  # weight ensembling: param <- 0.99 param + 0.01 source
-
-  def __post_init__(self):
-    super().__post_init__()
-    if not 0 <= self.momentum_src <= 1:
-      raise UserError(f"roid momentum_src: expected a number in [0, 1], got {self.momentum_src}")
+  momentum_src: float = field(0.99, "[0, 1]")  # weight ensembling: param <- 0.99 param + 0.01 source
 
   def merge(self, extra, trainable):
     return extra, ema(trainable, extra.source, self.momentum_src), {}

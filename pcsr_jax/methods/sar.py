@@ -41,8 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from pcsr_jax import losses
-from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import (RESET_OPTIMIZER, SAR_SKIP_BLOCKS, Method, Prepared, Recovery,
+from pcsr_jax.methods.base import (RESET_OPTIMIZER, SAR_SKIP_BLOCKS, Method, Prepared, Recovery, field,
                                    is_block_layernorm_param, recover, sam_perturb, sar_code_lr, sgd)
 
 
@@ -51,19 +50,15 @@ class SAR(Method):
   name: ClassVar[str] = "sar"
   cost: ClassVar[str] = "2F+2B"
   eval_orders: ClassVar[tuple[str, ...]] = ("before", "after", "perturbed")
-  lr: Optional[float] = None  # None: 0.001 * B / 64, doubled at B = 1
-  momentum: float = 0.9
-  rho: float = 0.05
-  reset_constant: float = 0.2
-  ema_decay: float = 0.9
-  skip_blocks: tuple[int, ...] = SAR_SKIP_BLOCKS
+  lr: Optional[float] = field(None, "> 0")  # None: 0.001 * B / 64, doubled at B = 1
+  momentum: float = field(0.9, "[0, 1)")
+  rho: float = field(0.05, ">= 0")  # SAM's assert rho >= 0
+  reset_constant: float = field(0.2, ">= 0")  # 0: never resets (an entropy EMA is never below 0)
+  ema_decay: float = field(0.9, "[0, 1]")
+  skip_blocks: tuple[int, ...] = field(SAR_SKIP_BLOCKS, ">= 0")
   clear_ema_on_reset: bool = False
-  reset_optimizer: str = "official"  # "official": SAM's inner momentum survives a reset; "all": cleared too
-
-  def __post_init__(self):
-    if self.reset_optimizer not in RESET_OPTIMIZER:
-      raise UserError(f"sar reset_optimizer: expected one of {', '.join(RESET_OPTIMIZER)}, "
-                      f"got '{self.reset_optimizer}'")
+  # "official": SAM's inner momentum survives a reset; "all": cleared too
+  reset_optimizer: str = field("official", RESET_OPTIMIZER)
 
   def trainable(self, path) -> bool:
     return is_block_layernorm_param(path, self.skip_blocks)

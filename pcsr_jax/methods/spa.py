@@ -53,7 +53,8 @@ import numpy as np
 from pcsr_jax import losses
 from pcsr_jax.augment import spa_amplitude_mask, spa_patch_noise
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import Method, Prepared, group_sgd, in_row_passes, is_layernorm_param, merge, parallel
+from pcsr_jax.methods.base import (Method, Prepared, field, group_sgd, in_row_passes, is_layernorm_param, merge,
+                                   parallel)
 
 Array = jax.Array
 
@@ -109,34 +110,20 @@ class SPA(Method):
   name: ClassVar[str] = "spa"
   cost: ClassVar[str] = "3F+1B"
 
-  lr_norm: float = 0.01
-  lr_predictor: float = 0.05
-  lr_noise: float = 1.0  # the strengths' own SGD, by gradient ascent
-  momentum: float = 0.9  # both optimizers
-  noise_ratio: float = 0.4  # the strengths' mean alpha^2 (init sqrt(0.4) each)
-  noise_patch: int = 16  # LearnablePatchErasing(patch_size=16), independent of the model's patch size
-  freq_mask_ratio: float = 0.2  # low frequencies are kept with 1 - 0.2
-  low_freq_ratio: float = 0.2  # side of the central low-frequency block (Prompt(prompt_alpha=0.2))
-  tent_weight: float = 0.0  # SPA+Tent: 0.1
-  mean: tuple[float, ...] = (0.5, 0.5, 0.5)  # the input normalisation (for the pixel-range clip)
-  std: tuple[float, ...] = (0.5, 0.5, 0.5)
-
-  def __post_init__(self):
-    for field in ("lr_norm", "lr_predictor", "lr_noise", "tent_weight"):
-      if getattr(self, field) < 0:
-        raise UserError(f"spa {field}: expected a non-negative number, got {getattr(self, field)}")
-    if not 0 <= self.momentum < 1:
-      raise UserError(f"spa momentum: expected a number in [0, 1), got {self.momentum}")
-    if not 0 < self.noise_ratio <= 1:
-      raise UserError(f"spa noise_ratio: expected a number in (0, 1], got {self.noise_ratio}")
-    if not 0 <= self.freq_mask_ratio < 1:
-      raise UserError(f"spa freq_mask_ratio: expected a number in [0, 1), got {self.freq_mask_ratio}")
-    if not 0 < self.low_freq_ratio <= 1:
-      raise UserError(f"spa low_freq_ratio: expected a number in (0, 1], got {self.low_freq_ratio}")
-    if self.noise_patch < 1:
-      raise UserError(f"spa noise_patch: expected a positive integer, got {self.noise_patch}")
-    if len(self.mean) != len(self.std) or not self.std or min(self.std) <= 0:
-      raise UserError(f"spa mean/std: expected equal-length tuples with positive std, got {self.mean}, {self.std}")
+  # Learning rates of the three groups; 0 leaves a group as it is.
+  lr_norm: float = field(0.01, ">= 0")
+  lr_predictor: float = field(0.05, ">= 0")
+  lr_noise: float = field(1.0, ">= 0")  # the strengths' own SGD, by gradient ascent
+  momentum: float = field(0.9, "[0, 1)")  # both optimizers
+  noise_ratio: float = field(0.4, "(0, 1]")  # the strengths' mean alpha^2 (init sqrt(0.4) each)
+  # LearnablePatchErasing(patch_size=16), independent of the model's patch size
+  noise_patch: int = field(16, ">= 1")
+  freq_mask_ratio: float = field(0.2, "[0, 1)")  # low frequencies are kept with 1 - 0.2
+  low_freq_ratio: float = field(0.2, "(0, 1]")  # side of the central low-frequency block (Prompt(prompt_alpha=0.2))
+  tent_weight: float = field(0.0, ">= 0")  # SPA+Tent: 0.1
+  # the input normalisation (for the pixel-range clip), one value per channel of the model's input
+  mean: tuple[float, ...] = field((0.5, 0.5, 0.5))
+  std: tuple[float, ...] = field((0.5, 0.5, 0.5), "> 0")
 
   def is_trainable(self, path) -> bool:
     return path[0] in (PREDICTOR, NOISE) or is_layernorm_param(path)

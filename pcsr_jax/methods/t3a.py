@@ -28,7 +28,11 @@ biases and logits), so the prototypes and the predictions live in the subset's l
 own logits do. (FOA's port has an ImageNet-R branch, but it reads an undefined variable.)
 
 ``filter_k = -1`` ("keep all" in DomainBed) is not offered: the store needs a bound, and the official code
-would in fact apply ``[:-1]`` and drop each class's last support.
+would in fact apply ``[:-1]`` and drop each class's last support. For the same reason a ``filter_k`` whose store
+would pass `MAX_STORE_BYTES` is refused in one line (naming the largest for the model) where the official code
+would take it: there the supports grow with the stream and ``[:filter_K]`` keeps all of a class's supports when
+it holds fewer, so a huge K means "keep every support"; a fixed-size store cannot know how many a stream brings,
+and allocating ``filter_k`` slots per class ran out of memory (1e8: ``RESOURCE_EXHAUSTED``).
 """
 
 from __future__ import annotations
@@ -43,9 +47,13 @@ import optax
 
 from pcsr_jax import losses
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import Method, Prepared, in_row_passes, merge
+from pcsr_jax.methods.base import Method, Prepared, field, in_row_passes, merge
 
 Array = jax.Array
+
+# The most the support store's features (``[C, filter_k, D]`` float32) may take: at ViT-B/16 on ImageNet (1000
+# classes, 768 features) filter_k up to 699, at ViT-L/16 up to 524; DomainBed's grid goes to 100, as CFA's repo.
+MAX_STORE_BYTES = 2**31
 
 
 @flax.struct.dataclass
@@ -113,15 +121,20 @@ class T3A(Method):
   name: ClassVar[str] = "t3a"
   cost: ClassVar[str] = "1F"
   eval_orders: ClassVar[tuple[str, ...]] = ("before",)  # the batch joins the supports before its prediction
-  filter_k: int = 20  # supports kept per class (FOA and Benchmark-TTA for ViT/ImageNet; CFA's repo: 100)
-
-  def __post_init__(self):
-    if self.filter_k < 1:
-      raise UserError(f"t3a filter_k: expected a positive integer, got {self.filter_k}")
+  # supports kept per class (FOA and Benchmark-TTA for ViT/ImageNet; CFA's repo: 100); at most what a store of
+  # MAX_STORE_BYTES holds (checked in `prepare`, which knows the classes and features)
+  filter_k: int = field(20, ">= 1")
 
   def prepare(self, model, params, rng, batch_size):
     if model.config.num_classes == 0 or "head" not in params:
       raise UserError("t3a: the model needs a linear classification head (num_classes > 0)")
+    dim, classes = params["head"]["kernel"].shape
+    if getattr(model, "class_subset", None) is not None:
+      classes = len(model.class_subset)
+    most = MAX_STORE_BYTES // (4 * classes * dim)
+    if self.filter_k > most:
+      raise UserError(f"t3a filter_k: expected at most {most} with {classes} classes of {dim} features (a support "
+                      f"store of at most {MAX_STORE_BYTES / 2**30:g} GiB), got {self.filter_k}")
     return Prepared(model, params, is_trainable=lambda path: False, tx=optax.identity())
 
   def init_extra(self, prep, trainable, opt_state):

@@ -13,14 +13,14 @@ from typing import ClassVar, Optional
 import jax
 
 from pcsr_jax import losses
-from pcsr_jax.methods.base import Method, Prepared, is_layernorm_param, sar_code_lr, sgd
+from pcsr_jax.methods.base import Method, Prepared, field, is_layernorm_param, sar_code_lr, sgd
 
 
 @dataclasses.dataclass(frozen=True)
 class Tent(Method):
   name: ClassVar[str] = "tent"
-  lr: Optional[float] = None  # None: 0.001 * B / 64
-  momentum: float = 0.9
+  lr: Optional[float] = field(None, "> 0")  # None: 0.001 * B / 64
+  momentum: float = field(0.9, "[0, 1)")
 
   def prepare(self, model, params, rng, batch_size):
     lr = self.lr if self.lr is not None else sar_code_lr(batch_size)

@@ -77,6 +77,9 @@ class PCSRConfig:
                            ("fgn_init", ("zero", "default")), ("dsn_init", ("default", "identity"))):
       if getattr(self, field) not in allowed:
         raise UserError(f"pcsr {field}: expected one of {', '.join(allowed)}, got '{getattr(self, field)}'")
+    if not isinstance(self.skip_blocks, tuple) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.skip_blocks):
+      raise UserError(f"pcsr config skip_blocks: expected a tuple of integers >= 0, got {self.skip_blocks!r}")
 
   @property
   def uses_dsn(self) -> bool:

@@ -4,6 +4,9 @@
 * ``.pth`` / ``.pt`` / ``.bin`` -- a torch pickle (needs torch);
 * ``.npz`` -- Google's AugReg / big_vision release (no torch), renamed by `big_vision`;
 * ``timm:<model_name>[.<tag>]`` -- timm's own pretrained weights (needs torch, timm and network access).
+
+Whatever the format, keys saved from a ``DataParallel``-wrapped model lose their ``module.`` prefix
+(`strip_module_prefix`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,23 @@ def read_state_dict(src: str) -> tuple[StateDict, dict[str, Any]]:
   Returns ``(state_dict, pretrained_cfg)``; the cfg is timm's pretrained config
   for ``timm:`` sources and empty otherwise.
   """
+  sd, cfg = _read(src)
+  return strip_module_prefix(sd, src), cfg
+
+
+def strip_module_prefix(sd: StateDict, src: str) -> StateDict:
+  """``sd`` without the ``module.`` prefix that ``torch.nn.DataParallel`` puts on every key (of any format)."""
+  prefix = "module."
+  out = {}
+  for k, v in sd.items():
+    name = k[len(prefix):] if k.startswith(prefix) else k
+    if name in out:
+      raise UserError(f"{src}: keys '{name}' and '{prefix}{name}' both present: expected one state dict")
+    out[name] = v
+  return out
+
+
+def _read(src: str) -> tuple[StateDict, dict[str, Any]]:
   if src.startswith("timm:"):
     return _read_timm_hub(src[len("timm:"):])
   if not os.path.isfile(src):
@@ -69,11 +89,7 @@ def _read_torch(src: str) -> StateDict:
       break
   if not isinstance(obj, Mapping):
     raise UserError(f"{src}: expected a state dict, got {type(obj).__name__}")
-  sd = {}
-  for k, v in obj.items():
-    k = k[len("module."):] if k.startswith("module.") else k  # DataParallel prefix
-    sd[k] = v.detach().float().numpy() if hasattr(v, "detach") else np.asarray(v)
-  return sd
+  return {k: v.detach().float().numpy() if hasattr(v, "detach") else np.asarray(v) for k, v in obj.items()}
 
 
 def _read_timm_hub(name: str) -> tuple[StateDict, dict[str, Any]]:
