@@ -21,6 +21,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import signal
 import socket
 import sys
@@ -212,8 +213,23 @@ class _Setup:
   decode_ips: float
   exchange: distributed.Exchange  # the processes' per-batch agreement (`pcsr_jax.distributed`)
   meta: dict = dataclasses.field(default_factory=dict)
-  source: Optional[source_stats.SourceData] = None  # opened on first use
-  stats: dict = dataclasses.field(default_factory=dict)  # method stats key -> (arrays, description)
+  plans: dict = dataclasses.field(default_factory=dict)  # method name -> _MethodPlan
+  source: Optional[source_stats.SourceData] = None  # --source-data, opened before any work if a method uses it
+  ckpt_digest: str = ""  # `source_stats.params_digest` of the checkpoint: in the resume key and the stats' key
+
+
+@dataclasses.dataclass
+class _MethodPlan:
+  """A method of the run as settled before any work: what runs (EATA's source-free form without
+  ``--source-data``), its source statistics and what its records say about them, and ``source_key``, what its
+  units' statistics depend on (`source_stats.key`; "none..." without statistics), which ``--resume`` must
+  find unchanged for a unit it continues or keeps."""
+
+  method: methods.Method
+  used: str = "none"
+  source_key: str = "none"
+  described: Optional[tuple] = None  # `source_stats.describe`'s (indices, description)
+  stats: Optional[dict] = None
 
 
 def run(cfg: RunConfig, log=print) -> dict:
@@ -240,6 +256,7 @@ def _setup(cfg: RunConfig, log) -> _Setup:
   spec = datasets.get(cfg.dataset)
   model, params, meta = checkpoint.load(cfg.checkpoint)
   model = model.clone(dtype=compute_dtype(cfg.dtype), attention=cfg.attention)
+  ckpt_digest = source_stats.params_digest(params)  # once: the resume key and every statistics' key use it
   exchange = distributed.Exchange()
   with exchange.main_first():  # the built-in benchmark's cache is filled by one process
     domains = spec.open(cfg, log)
@@ -253,6 +270,7 @@ def _setup(cfg: RunConfig, log) -> _Setup:
     relabel = np.full(meta["num_classes"], -1, np.int64)
     relabel[subset] = np.arange(len(subset))
     num_classes = len(subset)
+  plans, source = _plan_methods(cfg, meta, ckpt_digest, log)  # opens and checks --source-data, if used
   preprocess = spec.preprocess(meta)
   srcs = [s for _, s in domains]
   names = [n for n, _ in domains]
@@ -266,31 +284,148 @@ def _setup(cfg: RunConfig, log) -> _Setup:
   os.makedirs(cfg.output, exist_ok=True)
   resume = Resume(cfg.output)
   config_json = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
-  key = _config_key(config_json)
+  key = _config_key(config_json, ckpt_digest)
   data_key = _data_key(srcs)
   progress = resume.load() if cfg.resume else None
   _check_same_progress(exchange, progress, resume.path)
-  if progress is not None and progress.config_key != key:
-    raise UserError(f"{resume.path}: saved progress is from a different configuration; drop --resume or "
-                    f"use another --output")
-  if progress is not None and progress.data_key != data_key:
-    raise UserError(f"{resume.path}: the data changed since the progress was saved (images added, removed or "
-                    f"relabelled); rerun without --resume to start over")
+  if cfg.resume and progress is None:
+    log(f"--resume: no saved progress in {resume.dir}; starting from the beginning")
+  if progress is not None:
+    _check_resumable(progress, key, data_key, plans, resume.path, cfg.checkpoint, log)
   if progress is None:
     if distributed.is_main():  # the only process that writes in the output folder
       if os.path.isfile(resume.path):
         log(f"discarding the saved progress in {resume.dir} (pass --resume to continue it)")
       resume.clear()
-      for name in ("results.json", "results.csv", "table.md"):  # never leave a stale "complete" result behind
-        if os.path.exists(os.path.join(cfg.output, name)):
-          os.remove(os.path.join(cfg.output, name))
+      _remove_outputs(cfg.output, log)
     progress = RunProgress(config_key=key, data_key=data_key)
   elif progress.unit or progress.done:
     u = progress.unit
     log(f"resuming from {resume.path}: {len(progress.done)} runs done" +
         (f", {u.key} at segment {u.segment} batch {u.batch}" if u else ""))
-  return _Setup(cfg, spec, model, params, num_classes, names, srcs, relabel, loader, resume, progress,
-                config_json, decode_ips, exchange, meta)
+  setup = _Setup(cfg, spec, model, params, num_classes, names, srcs, relabel, loader, resume, progress,
+                 config_json, decode_ips, exchange, meta, plans, source, ckpt_digest)
+  _load_source_stats(setup, log)
+  return setup
+
+
+def _plan_methods(cfg: RunConfig, meta: dict, ckpt_digest: str, log
+                  ) -> tuple[dict[str, _MethodPlan], Optional[source_stats.SourceData]]:
+  """Each method as it will run, and ``--source-data`` opened and checked (classes against the head for a
+  method that reads labels) if a method uses it: before any work, so that a bad source stops the run before
+  its first method, not when the method that needs it comes up."""
+  plans, data = {}, None
+  for name in cfg.methods:
+    args = cfg.method_args.get(name, {})
+    method = _with_preprocessing(methods.get(name, **args), args, meta)
+    if not method.uses_source_data():
+      plans[name] = _MethodPlan(method)
+    elif cfg.source_data is None:  # `RunConfig.validate` refused the methods without a source-free form
+      used = f"none: source-free form ({method.source_free_note()})"
+      log(f"{name}: no --source-data; running its source-free form ({method.source_free_note()})")
+      plans[name] = _MethodPlan(method.source_free(), used, used)
+    else:
+      if data is None:
+        data = source_stats.open_source_data(cfg.source_data, meta, cfg.tfds_data_dir, cfg.fmnist_dir)
+      source_stats.check_labels(method, data, meta["num_classes"])
+      described = source_stats.describe(method, data, cfg.batch_size, ckpt_digest, cfg.source_images)
+      plans[name] = _MethodPlan(method, source_key=source_stats.key(described[1]), described=described)
+  return plans, data
+
+
+def _load_source_stats(setup: _Setup, log) -> None:
+  """The source statistics of every method with a unit left to run, from the cache or computed, before the
+  first unit: an unreadable source stops the run before any work."""
+  cfg = setup.cfg
+  for name, plan in setup.plans.items():
+    if plan.described is None or all(f"{name}/seed{s}" in setup.progress.done for s in cfg.seeds):
+      continue
+    # The full head (not ImageNet-R's 200-class subset): statistics are of the checkpoint on its own classes.
+    # Process 0 computes and caches them first; the others then read its cache (or, on a folder not shared
+    # with it, compute the same numbers themselves).
+    with setup.exchange.main_first():
+      plan.stats, desc = source_stats.get(
+          plan.method, setup.model.clone(class_subset=None), setup.params, setup.source,
+          checkpoint_dir=cfg.checkpoint, output_dir=cfg.output, batch_size=cfg.batch_size, limit=cfg.source_images,
+          workers=cfg.workers, progress=cfg.progress and distributed.is_main(), log=log,
+          ckpt_digest=setup.ckpt_digest, described=plan.described)
+    plan.used = source_stats.used_note(desc)
+
+
+def _check_resumable(progress: RunProgress, key: str, data_key: str, plans: dict, path: str,
+                     checkpoint_dir: str, log) -> None:
+  """Saved progress is continued only under the configuration, checkpoint params and data it was made with.
+
+  A unit it holds (finished or open) that would now get other source statistics (``--source-data`` corrected,
+  its images repaired, ``--source-images`` changed) runs again from its start, its records dropped: its
+  statistics are not the run's any more. Units that used none, or the same, keep their records, so that
+  correcting ``--source-data`` loses no other work."""
+  if progress.config_key != key:
+    differ = _config_diff(progress.config_key, key)
+    if "checkpoint_params" in differ:
+      raise UserError(f"{path}: the params of --checkpoint {checkpoint_dir} changed since the progress was saved "
+                      f"(replaced or re-converted); rerun without --resume to start over")
+    raise UserError(f"{path}: saved progress is from a different configuration"
+                    f"{' (' + ', '.join(differ) + ' differ)' if differ else ''}; drop --resume or use another --output")
+  if progress.data_key != data_key:
+    raise UserError(f"{path}: the data changed since the progress was saved (images added, removed or "
+                    f"relabelled); rerun without --resume to start over")
+  for unit in progress.done + ([progress.unit.key] if progress.unit else []):
+    saved, now = progress.source_keys.get(unit), plans[unit.rsplit("/seed", 1)[0]].source_key
+    if saved != now:
+      why = ("it ran without --source-data" if str(saved).startswith("none") else
+             "this run has no --source-data" if now.startswith("none") else
+             "--source-data, --source-images or the source images changed")
+      log(f"{unit}: its source statistics would differ from those it ran with ({why}); running it again from "
+          f"the start")
+      _forget_unit(progress, unit)
+
+
+def _forget_unit(progress: RunProgress, unit: str) -> None:
+  """Drops what ``unit`` (``<method>/seed<s>``) produced from ``progress``, so that it runs again."""
+  method, seed = unit.rsplit("/seed", 1)
+  progress.records = [r for r in progress.records if (r["method"], str(r["seed"])) != (method, seed)]
+  progress.curves.pop(unit, None)
+  progress.throughput.pop(unit, None)
+  progress.source_keys.pop(unit, None)
+  progress.done = [u for u in progress.done if u != unit]
+  if progress.unit is not None and progress.unit.key == unit:
+    progress.unit = None
+
+
+def _config_diff(saved: str, now: str) -> list[str]:
+  """The settings in which two `_config_key`s differ (empty if ``saved`` is not one)."""
+  try:
+    a, b = json.loads(saved), json.loads(now)
+  except ValueError:
+    return []
+  if not isinstance(a, dict):
+    return []
+  return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+_PREDICTIONS = re.compile(r"_.+_\d+_seed\d+\.npz$")  # `_predictions_file`'s names after the method's
+
+
+def _predictions_file(out: str, method: str, domain: str, severity: int, seed: int) -> str:
+  return os.path.join(out, "predictions", f"{method}_{domain}_{severity}_seed{seed}.npz")
+
+
+def _remove_outputs(out: str, log) -> None:
+  """A fresh run owns its output folder's results: it removes those of an earlier run (results, table, plots and
+  predictions files), so that none is taken for its own: a stale "complete" result, or the predictions of a
+  method it does not run. Only files named as the harness names them go; the user's other files stay."""
+  gone = [os.path.join(out, n) for n in ("results.json", "results.csv", "table.md") + results.PLOTS]
+  pred_dir = os.path.join(out, "predictions")
+  if os.path.isdir(pred_dir):
+    gone += [os.path.join(pred_dir, f) for f in sorted(os.listdir(pred_dir))
+             if any(f.startswith(m) and _PREDICTIONS.fullmatch(f[len(m):]) for m in methods.REGISTRY)]
+  gone = [p for p in gone if os.path.isfile(p)]
+  for p in gone:
+    os.remove(p)
+  if any(os.path.dirname(p) == pred_dir for p in gone):
+    log(f"removed {sum(os.path.dirname(p) == pred_dir for p in gone)} predictions files of an earlier run from "
+        f"{pred_dir}")
 
 
 def loader_kind(loader: str, data: Loader) -> str:
@@ -333,13 +468,12 @@ def _run_seed(setup: _Setup, seed: int, stop: "_Stop", log) -> bool:
     key = f"{method_name}/seed{seed}"
     if key in setup.progress.done:
       continue
-    method = _with_preprocessing(methods.get(method_name, **cfg.method_args.get(method_name, {})),
-                                 cfg.method_args.get(method_name, {}), setup.meta)
-    method, stats, used = _source_stats(setup, method, log)
-    adapter = engine.Adapter(method, setup.model, setup.params, batch_size=cfg.batch_size,
-                             eval_order=cfg.eval_order, seed=seed, source_stats=stats,
+    plan = setup.plans[method_name]
+    setup.progress.source_keys[key] = plan.source_key  # saved with the unit's progress
+    adapter = engine.Adapter(plan.method, setup.model, setup.params, batch_size=cfg.batch_size,
+                             eval_order=cfg.eval_order, seed=seed, source_stats=plan.stats,
                              mean=setup.meta["mean"], std=setup.meta["std"], row_chunk=cfg.row_chunk)
-    if not _run_unit(setup, key, method_name, seed, adapter, segments, stop, log, used):
+    if not _run_unit(setup, key, method_name, seed, adapter, segments, stop, log, plan.used):
       return False
   return True
 
@@ -352,32 +486,6 @@ def _with_preprocessing(method: methods.Method, args: dict, meta: dict) -> metho
     method = dataclasses.replace(method, mean=tuple(float(v) for v in meta["mean"]),
                                  std=tuple(float(v) for v in meta["std"]))
   return method
-
-
-def _source_stats(setup: _Setup, method: methods.Method, log) -> tuple[methods.Method, Optional[dict], str]:
-  """``(method to run, its source statistics or None, what the records say about source data)``.
-
-  Without ``--source-data`` a method with a source-free form (EATA) runs as that form, and says so."""
-  cfg = setup.cfg
-  if not method.uses_source_data():
-    return method, None, "none"
-  if cfg.source_data is None:
-    log(f"{method.name}: no --source-data; running its source-free form ({method.source_free_note()})")
-    return method.source_free(), None, f"none: source-free form ({method.source_free_note()})"
-  if setup.source is None:
-    setup.source = source_stats.open_source_data(cfg.source_data, setup.meta, cfg.tfds_data_dir, cfg.fmnist_dir)
-  key = method.stats_key()
-  if key not in setup.stats:
-    # The full head (not ImageNet-R's 200-class subset): statistics are of the checkpoint on its own classes.
-    # Process 0 computes and caches them first; the others then read its cache (or, on a folder not shared
-    # with it, compute the same numbers themselves).
-    with setup.exchange.main_first():
-      setup.stats[key] = source_stats.get(method, setup.model.clone(class_subset=None), setup.params,
-                                          setup.source, checkpoint_dir=cfg.checkpoint, output_dir=cfg.output,
-                                          batch_size=cfg.batch_size, limit=cfg.source_images, workers=cfg.workers,
-                                          progress=cfg.progress and distributed.is_main(), log=log)
-  arrays, desc = setup.stats[key]
-  return method, arrays, f"{desc['images']:,} images of {desc['source_data']}"
 
 
 def _write_outputs(setup: _Setup, log) -> dict:
@@ -429,10 +537,14 @@ def _data_key(srcs: list) -> str:
   return h.hexdigest()
 
 
-def _config_key(config_json: dict) -> str:
+def _config_key(config_json: dict, ckpt_digest: str) -> str:
+  """What ``--resume`` must find unchanged in the whole run: the settings that change results, and the
+  checkpoint's params (a checkpoint replaced at the same path is another model). ``--source-data`` and
+  ``--source-images`` are checked per unit instead (`_MethodPlan.source_key`): units that used no source
+  statistics keep their records when they change."""
   keep = {k: v for k, v in config_json.items()
-          if k not in ("resume", "progress", "workers", "loader", "checkpoint_every")}
-  return json.dumps(keep, sort_keys=True)
+          if k not in ("resume", "progress", "workers", "loader", "checkpoint_every", "source_data", "source_images")}
+  return json.dumps(dict(keep, checkpoint_params=ckpt_digest), sort_keys=True)
 
 
 class _Bar:
@@ -620,7 +732,7 @@ def _record_segment(setup: _Setup, unit: UnitProgress, seg, method_name: str, se
     setup.progress.records.append(rec)
     if cfg.save_predictions and distributed.is_main():
       fn, lab, pred = preds
-      d = os.path.join(cfg.output, "predictions")
-      os.makedirs(d, exist_ok=True)
-      np.savez(os.path.join(d, f"{method_name}_{tag}_{cfg.severity}_seed{seed}.npz"), file_names=np.asarray(fn),
-               labels=np.asarray(lab, np.int32), predictions=np.asarray(pred, np.int32))
+      path = _predictions_file(cfg.output, method_name, tag, cfg.severity, seed)
+      os.makedirs(os.path.dirname(path), exist_ok=True)
+      np.savez(path, file_names=np.asarray(fn), labels=np.asarray(lab, np.int32),
+               predictions=np.asarray(pred, np.int32))

@@ -100,6 +100,9 @@ class RunProgress:
   throughput: dict = dataclasses.field(default_factory=dict)
   state_dir: Optional[str] = None
   data_key: str = ""  # a digest of the ordered stream items: resuming over changed data is refused
+  # unit key -> what its source statistics were computed from (`harness`): a resume that would give a started
+  # unit other statistics is refused, one whose units used none takes another --source-data
+  source_keys: dict = dataclasses.field(default_factory=dict)
 
   def to_json(self) -> dict:
     return dict(dataclasses.asdict(self), unit=self.unit.to_json() if self.unit else None)
@@ -111,7 +114,9 @@ class RunProgress:
                  data_key=str)
     if not isinstance(d, dict) or not all(isinstance(d[k], t) for k, t in types.items()):
       raise TypeError("not a progress record")
-    prog = RunProgress(**{k: d[k] for k in types}, state_dir=d.get("state_dir"))
+    if not isinstance(d.get("source_keys", {}), dict):
+      raise TypeError("source_keys is not an object")
+    prog = RunProgress(**{k: d[k] for k in types}, state_dir=d.get("state_dir"), source_keys=d.get("source_keys", {}))
     if d.get("unit") is not None:
       if not isinstance(d["unit"], dict):
         raise TypeError("unit is not an object")

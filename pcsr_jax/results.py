@@ -82,6 +82,9 @@ def _running_gain(curves: dict[str, Any], method: str) -> tuple[list, np.ndarray
   return pairs[0][0]["seen"], np.mean([np.asarray(c["accuracy"]) - np.asarray(s["accuracy"]) for c, s in pairs], 0)
 
 
+PLOTS = ("gain_over_source.png", "accuracy_per_corruption.png", "running_accuracy.png")  # what `plot` writes
+
+
 def plot(out_dir: str, records: Sequence[dict], curves: dict[str, Any], corruptions: Sequence[str],
          methods: Sequence[str]) -> list[str]:
   """Each method's gain over Source (when Source ran), per-corruption accuracy bars, running accuracy."""
@@ -114,14 +117,14 @@ def plot(out_dir: str, records: Sequence[dict], curves: dict[str, Any], corrupti
     for ax, size in ((ax1, 8), (ax2, 7)):
       ax.axhline(0, color="k", lw=0.8)
       ax.legend(fontsize=size)
-    paths.append(save(fig, "gain_over_source.png"))
+    paths.append(save(fig, PLOTS[0]))
 
   fig, ax = plt.subplots(figsize=(min(16, max(6, 0.2 * len(corruptions) * len(methods) + 3)), 4))
   _bars(ax, {m: _accuracy(records, m, corruptions) for m in methods}, corruptions)
   ax.set_ylabel("accuracy (%)")
   ax.set_ylim(0, 100)
   ax.legend(fontsize=8)
-  paths.append(save(fig, "accuracy_per_corruption.png"))
+  paths.append(save(fig, PLOTS[1]))
 
   fig, ax = plt.subplots(figsize=(7, 4))
   for key, c in curves.items():
@@ -131,5 +134,5 @@ def plot(out_dir: str, records: Sequence[dict], curves: dict[str, Any], corrupti
   ax.set_ylabel("running accuracy (%)")
   ax.set_ylim(0, 100)
   ax.legend(fontsize=7)
-  paths.append(save(fig, "running_accuracy.png"))
+  paths.append(save(fig, PLOTS[2]))
   return paths

@@ -273,3 +273,102 @@ def test_builtin_run_rejects_a_zero(tmp_path, flag):
   with pytest.raises(UserError, match=flag):
     main([flag, "0", "--output", str(tmp_path / "out"), "--no-progress"])
   assert not (tmp_path / "out" / "results.json").exists()
+
+
+def run_cfg(world, out, **kw):
+  base = dict(data=str(world / "data"), checkpoint=str(world / "ckpt"), output=str(out), corruptions=CORR,
+              methods=("tent", "cfa"), seeds=(1,), batch_size=4, progress=False)
+  return harness.RunConfig(**{**base, **kw})
+
+
+def interrupted(cfg, at_save: int) -> dict:
+  """Runs ``cfg`` and stops it as SIGTERM would, at its ``at_save``-th save of progress; the saved progress."""
+  calls = []
+  orig = progress.Resume.save
+
+  def save(self, prog, host_state=None):
+    orig(self, prog, host_state)
+    calls.append(1)
+    if len(calls) == at_save:
+      os.kill(os.getpid(), signal.SIGTERM)
+  progress.Resume.save = save
+  try:
+    with pytest.raises(SystemExit):
+      harness.run(cfg, log=lambda *a: None)
+  finally:
+    progress.Resume.save = orig
+  with open(os.path.join(cfg.output, "resume", "progress.json")) as f:
+    return json.load(f)
+
+
+def test_source_data_is_checked_before_any_work(world, tmp_path):
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  three = tmp_path / "three"  # 3 class folders that are not wnids: classes 0-2, not the head's 1000
+  unreadable = tmp_path / "unreadable"
+  shutil.copytree(str(world / "data" / "fog" / "5"), str(unreadable))
+  for i, p in enumerate(sorted(glob.glob(str(unreadable / "*" / "*.JPEG")))):
+    if i < 3:
+      os.makedirs(str(three / f"class{i}"))
+      shutil.copy(p, str(three / f"class{i}"))
+    with open(p, "wb") as f:
+      f.write(b"not a jpeg")
+  for source, match in ((empty, "no class folders inside"),
+                        (three, r"\(for cfa\): data has 3 class folders but the checkpoint's head has 1000"),
+                        (unreadable, "none of the 8 source images cfa uses could be read")):
+    lines = []
+    with pytest.raises(UserError, match=f"--source-data {source}.*{match}"):
+      harness.run(run_cfg(world, tmp_path / "o", source_data=str(source)), log=lines.append)
+    assert not any(l.startswith("tent/seed1") for l in lines), lines  # TENT did not run first
+    assert not os.path.exists(str(tmp_path / "o" / "resume"))
+
+
+def test_resume_refuses_a_replaced_checkpoint(world, tmp_path):
+  ckpt = copy_ckpt(world, tmp_path, "ckpt")
+  cfg = dict(checkpoint=ckpt, methods=("tent",), checkpoint_every=1)
+  interrupted(run_cfg(world, tmp_path / "o", **cfg), at_save=1)
+  shutil.rmtree(ckpt)
+  hf.make_checkpoint(ckpt, seed=1)  # re-converted weights at the same path
+  with pytest.raises(UserError, match=r"the params of --checkpoint .*ckpt changed since the progress was saved"):
+    harness.run(run_cfg(world, tmp_path / "o", **cfg, resume=True), log=lambda *a: None)
+
+
+@pytest.mark.parametrize("change", ["corrected flag", "files changed"])
+def test_resume_keeps_units_without_source_statistics_and_reruns_those_whose_changed(world, tmp_path, change):
+  src_a, src_b = tmp_path / "a", tmp_path / "b"
+  shutil.copytree(str(world / "data" / "gaussian_noise" / "5"), str(src_a))
+  shutil.copytree(str(world / "data" / "fog" / "5"), str(src_b))
+  ckpt = copy_ckpt(world, tmp_path, "ckpt")  # its own statistics cache
+  kw = dict(checkpoint=ckpt, checkpoint_every=1, output=str(tmp_path / "o"))
+  # TENT's 4 batches and its end, CFA's first 3 batches: CFA is open with one corruption's record.
+  saved = interrupted(run_cfg(world, None, source_data=str(src_a), **kw), at_save=8)
+  assert saved["done"] == ["tent/seed1"] and saved["unit"]["key"] == "cfa/seed1"
+  assert [r["method"] for r in saved["records"]] == ["tent", "tent", "cfa"]
+  if change == "files changed":  # one more image in the source folder: 9, not 8
+    one = sorted(glob.glob(str(src_a / "*" / "*.JPEG")))[0]
+    shutil.copy(one, one.replace(".JPEG", "_copy.JPEG"))
+    source, images = src_a, 9
+  else:
+    source, images = src_b, 8
+  lines = []
+  res = harness.run(run_cfg(world, None, source_data=str(source), resume=True, **kw), log=lines.append)
+  assert any(l.startswith("cfa/seed1: its source statistics would differ") for l in lines), lines
+  assert not any(l.startswith("tent/seed1: accuracy") for l in lines)  # kept, not run again
+  assert [r for r in res["records"] if r["method"] == "tent"] == saved["records"][:2]
+  cfa = [r for r in res["records"] if r["method"] == "cfa"]
+  assert [r["corruption"] for r in cfa] == list(CORR)
+  assert all(r["source_data"].startswith(f"{images} images of folder {source} ") for r in cfa), cfa
+
+
+def test_fresh_run_removes_the_outputs_of_an_earlier_one_and_resume_without_progress_says_so(world, tmp_path):
+  out = tmp_path / "o"
+  harness.run(run_cfg(world, out, methods=("source", "tent"), save_predictions=True), log=lambda *a: None)
+  pred = out / "predictions"
+  assert len(list(pred.iterdir())) == 4
+  (pred / "mine.npz").write_bytes(b"the user's")
+  (out / "notes.txt").write_text("the user's")
+  lines = []
+  harness.run(run_cfg(world, out, methods=("source",), resume=True), log=lines.append)
+  assert any(l.startswith("--resume: no saved progress in") for l in lines), lines
+  assert sorted(os.listdir(pred)) == ["mine.npz"] and (out / "notes.txt").exists()  # no tent predictions left
+  assert not (out / "gain_over_source.png").exists()  # of the earlier run: no method to compare with Source now

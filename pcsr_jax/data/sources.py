@@ -9,6 +9,7 @@ address the same images.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import stat
@@ -125,8 +126,10 @@ class TFDSSource:
       except Exception as e:  # DatasetNotFoundError and friends: one line, not a traceback
         error = e
     if self.ds is None:
-      raise UserError(f"tfds {config}: not prepared in {data_dir or 'the default TFDS dir'} "
-                      f"({type(error).__name__})") from None
+      # The first line of TFDS's own message names the cause (e.g. an unknown split and the ones there are).
+      why = (str(error).strip().splitlines() or [""])[0][:200]
+      raise UserError(f"tfds {config} split {split}: cannot open it in {data_dir or 'the default TFDS dir'} "
+                      f"({type(error).__name__}{': ' + why if why else ''})") from None
     n = len(self.ds)
     if n == 0:
       raise UserError(f"tfds {config}: empty {split} split")
@@ -196,3 +199,28 @@ def check_classes(source, num_classes: int, class_subset: Optional[Sequence[int]
     kind = "ImageNet wnid folders (1000 classes)" if source.imagenet_labels else \
         f"{source.num_label_classes} class folders"
     raise UserError(f"{where}: data has {kind} but the checkpoint's head has {num_classes} classes")
+
+
+def files_digest(source, indices: Sequence[int]) -> str:
+  """A cheap digest of what the items ``indices`` of ``source`` would read, to tell when they changed.
+
+  Image files (`FolderSource`, `ImageListSource`): each one's size and modification time (``os.stat``, no
+  read; a missing file counts as such), so that a repaired, replaced or truncated file changes the digest; a
+  copy that does not keep the times (``cp -r`` without ``-p``) changes it too. In-memory images
+  (``images``, e.g. Fashion-MNIST): their bytes. TFDS: nothing more than the names and labels that callers
+  digest already, as a prepared TFDS dataset is versioned and not edited in place.
+  """
+  h = hashlib.sha256()
+  paths = getattr(source, "paths", None)
+  images = getattr(source, "images", None)
+  if paths is not None:
+    for i in indices:
+      try:
+        st = os.stat(paths[int(i)])
+        h.update(f"{st.st_size} {st.st_mtime_ns}\n".encode())
+      except OSError:
+        h.update(b"missing\n")
+  elif isinstance(images, np.ndarray):
+    for i in indices:
+      h.update(np.ascontiguousarray(images[int(i)]).tobytes())
+  return h.hexdigest()

@@ -42,6 +42,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       raise UserError(f"--methods: {m.name} uses no source statistics")
   model, params, meta = checkpoint.load(a.checkpoint)
   data = source_stats.open_source_data(a.source_data, meta, a.tfds_data_dir, a.fashion_mnist_dir)
+  for m in chosen:
+    source_stats.check_labels(m, data, meta["num_classes"])
   digest = source_stats.params_digest(params)
   for m in chosen:
     source_stats.get(m, model, params, data, checkpoint_dir=a.checkpoint, output_dir=a.output,

@@ -178,6 +178,12 @@ def features_and_logits(prep: Prepared, params: Params, images: Array) -> tuple[
   return in_row_passes(prep, lambda x: vit.features_and_logits(prep.model, params, x), images)
 
 
+def image_shape(model: nn.Module, batch: int = 1) -> jax.ShapeDtypeStruct:
+  """A batch of normalized NHWC float32 images for ``model``, as a shape (for `jax.eval_shape`)."""
+  c = model.config
+  return jax.ShapeDtypeStruct((batch, c.img_size, c.img_size, c.in_chans), jnp.float32)
+
+
 def split(params: Params, is_trainable: Callable[[Path], bool]) -> tuple[Params, Params]:
   """Splits a param tree into ``(frozen, trainable)`` nested dicts by path."""
   flat = traverse_util.flatten_dict(params)
@@ -479,6 +485,12 @@ class Method(abc.ABC):
     source has none), ``source_images`` of them in all (all when None). Returns a flat dict of arrays,
     which `Adapter` puts in ``prep.consts``.
     """
+    raise NotImplementedError(f"{self.name} uses no source statistics")
+
+  def source_stats_shapes(self, prep: Prepared, frozen: Params, trainable: Params) -> dict[str, jax.ShapeDtypeStruct]:
+    """The keys, shapes and dtypes `compute_source_stats` returns for this model, without computing them
+    (`image_shape` and `jax.eval_shape` help). A cached copy is checked against them before use
+    (`pcsr_jax.source_stats`): a cache whose arrays were forged or mixed up is rebuilt, not broadcast."""
     raise NotImplementedError(f"{self.name} uses no source statistics")
 
   def init_extra(self, prep: Prepared, trainable: Params, opt_state: Any) -> Any:

@@ -35,7 +35,8 @@ import numpy as np
 import optax
 
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import Method, Prepared, features_and_logits, field, is_layernorm_param, merge, sgd
+from pcsr_jax.methods.base import (Method, Prepared, features_and_logits, field, image_shape, is_layernorm_param,
+                                   merge, sgd)
 
 SAVE_MAX_MOMENT = 5  # main.py --save_max_moment: the statistics hold moments 1..5
 VALUE_RANGE = 2.0  # value_max - value_min of tanh's output
@@ -136,6 +137,14 @@ class CFA(Method):
     out = {k: v.astype(np.float32) for k, v in out.items()}
     out["class_count"] = class_count.astype(np.int32)
     return out
+
+  def source_stats_shapes(self, prep: Prepared, frozen: Any, trainable: Any) -> dict[str, jax.ShapeDtypeStruct]:
+    d = jax.eval_shape(lambda x: self.features(prep, frozen, trainable, x)[1], image_shape(prep.model)).shape[-1]
+    c = prep.model.config.num_classes
+    out = {k: jax.ShapeDtypeStruct((d,), np.float32)
+           for k in ["mean"] + [f"moment_{k}" for k in range(2, SAVE_MAX_MOMENT + 1)]}
+    return dict(out, class_mean=jax.ShapeDtypeStruct((c, d), np.float32),
+                class_count=jax.ShapeDtypeStruct((c,), np.int32))
 
   def update(self, prep, frozen, state, images, valid):
     consts = prep.consts

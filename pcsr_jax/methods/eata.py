@@ -142,6 +142,11 @@ class EATA(Method):
     return {**{f"fisher/{_key(k)}": v for k, v in fisher.items()},
             **{f"theta0/{_key(k)}": np.asarray(v, np.float32) for k, v in theta0.items()}}
 
+  def source_stats_shapes(self, prep: Prepared, frozen: Any, trainable: Any) -> dict[str, jax.ShapeDtypeStruct]:
+    leaves = traverse_util.flatten_dict(trainable)
+    return {f"{kind}/{_key(k)}": jax.ShapeDtypeStruct(np.shape(v), np.float32)
+            for kind in ("fisher", "theta0") for k, v in leaves.items()}
+
   def update(self, prep, frozen, state, images, valid):
     e_margin = self.margin(prep.model.config.num_classes)  # as SAR and TENT: ln of the checkpoint's classes
     consts = prep.consts if self.fisher_alpha != 0 else None
