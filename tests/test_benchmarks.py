@@ -64,7 +64,7 @@ def test_warmup_goes_on_while_the_step_still_grows_the_process():
 
 
 def test_scripts_run_as_modules_from_the_root_without_editing_sys_path():
-  """``python -m benchmarks.x`` from the repository root finds pcsr_jax, the `benchmarks` package and the tests'
+  """``python -m benchmarks.<name>`` from the repository root finds pcsr_jax, the `benchmarks` package and the tests'
   helpers (`tests.harness_fixtures`) with no PYTHONPATH and no script putting a folder on ``sys.path``."""
   folder = os.path.join(ROOT, "benchmarks")
   scripts = sorted(f for f in os.listdir(folder) if f.endswith(".py") and f != "__init__.py")

@@ -70,6 +70,6 @@ def test_benchmark_commands_run_them_as_modules():
       seen.add(module)
       if not os.path.isfile(os.path.join(ROOT, *module.split(".")) + ".py"):
         missing.append(f"{page}: python -m {module}")
-  assert not old, f"run as `python -m benchmarks.x` from the repository root: {old}"
+  assert not old, f"run as `python -m benchmarks.<name>` from the repository root: {old}"
   assert not missing, missing
   assert "benchmarks.step_throughput" in seen and "benchmarks.gpu_report" in seen, seen
