@@ -13,7 +13,8 @@ import sys
 from typing import Sequence
 
 from pcsr_jax import weights
-from pcsr_jax.errors import ArgumentParser, run_cli
+from pcsr_jax.cli import run_cli
+from pcsr_jax.errors import ArgumentParser
 
 
 def floats(s: str) -> tuple[float, ...]:

@@ -1,6 +1,6 @@
 """Seconds to draw MEMO's AugMix views of one image: JAX's two forms and the PyTorch reference's PIL views.
 
-    python benchmarks/augmix_views.py --views 64 --size 224
+    python -m benchmarks.augmix_views --views 64 --size 224
 
 ``augment.augmix_views`` runs its chains one after the other on the CPU (``loop``: each chain step computes
 only its own op) and vectorised on accelerators (every op at every step, then a select); this times both on
@@ -16,10 +16,9 @@ import sys
 import time
 from typing import Callable, Sequence
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-from pcsr_jax.errors import ArgumentParser, UserError, run_cli  # noqa: E402
+from pcsr_jax.cli import run_cli
+from pcsr_jax.errors import ArgumentParser, UserError
 
 
 def _median_s(draw: Callable[[int], object], reps: int) -> float:

@@ -1,6 +1,6 @@
 """GFLOP/s of the attention's batched matmuls, JAX vs PyTorch, and JAX pinned to one core.
 
-    python benchmarks/batched_matmul.py --batch 96 --tokens 197 --head-dim 64
+    python -m benchmarks.batched_matmul --batch 96 --tokens 197 --head-dim 64
 
 Why: on XLA:CPU a batched ``dot`` (``[B, T, Dh] x [B, Dh, T]``, the attention's ``Q K^T`` and ``A V`` with
 B = images x heads) runs on one thread. This prints, for ``Q K^T``, ``A V`` and ``A^T dO``, JAX on all cores,
@@ -19,9 +19,9 @@ import time
 from typing import Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-from pcsr_jax.errors import ArgumentParser, UserError, run_cli  # noqa: E402
+from pcsr_jax.cli import run_cli
+from pcsr_jax.errors import ArgumentParser, UserError
 
 PRODUCTS = ("q k^T", "a v", "a^T do")
 
@@ -81,9 +81,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   for fw in [f.strip() for f in a.frameworks.split(",") if f.strip()]:
     if fw not in ("jax", "jax-one-core", "torch"):
       raise UserError(f"--frameworks: unknown '{fw}' (expected jax, jax-one-core, torch)")
-    argv_w = [sys.executable, os.path.abspath(__file__), "--batch", str(a.batch), "--tokens", str(a.tokens),
+    argv_w = [sys.executable, "-m", "benchmarks.batched_matmul", "--batch", str(a.batch), "--tokens", str(a.tokens),
               "--head-dim", str(a.head_dim), "--reps", str(a.reps), "--worker", fw]
-    r = subprocess.run(argv_w, capture_output=True, text=True)
+    r = subprocess.run(argv_w, capture_output=True, text=True, cwd=ROOT)
     if r.returncode != 0:
       raise UserError(f"{fw} worker failed: {(r.stderr.strip().splitlines() or ['no output'])[-1]}")
     ms = json.loads(r.stdout.strip().splitlines()[-1])

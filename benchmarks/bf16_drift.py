@@ -1,7 +1,7 @@
 """How far bfloat16 moves each method's logits and accuracies from float32: built-in benchmark, parity fixture.
 
-    python benchmarks/bf16_drift.py --methods all --images 256
-    python benchmarks/bf16_drift.py --arch vit_base_patch16_224 --methods all --batches 2 --batch-size 8
+    python -m benchmarks.bf16_drift --methods all --images 256
+    python -m benchmarks.bf16_drift --arch vit_base_patch16_224 --methods all --batches 2 --batch-size 8
 
 Two measurements per method, the same stream for both dtypes (``--dtype bfloat16``: backbone in bf16, params,
 LayerNorm statistics, softmax, losses and optimizer state in float32; `pcsr_jax.models.vit`):
@@ -34,10 +34,9 @@ from typing import Sequence
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-from pcsr_jax.errors import ArgumentParser, UserError, run_cli  # noqa: E402
+from pcsr_jax.cli import run_cli
+from pcsr_jax.errors import ArgumentParser, UserError
 
 DTYPES = ("float32", "bfloat16")
 

@@ -1,6 +1,6 @@
 """End-to-end harness check and timing on a generated ImageNet-C-layout folder.
 
-    python benchmarks/end_to_end.py [--arch vit_tiny_patch16_224] [--images-per-class 8]
+    python -m benchmarks.end_to_end [--arch vit_tiny_patch16_224] [--images-per-class 8]
 
 Generates ``<tmp>/<corruption>/5/<wnid>/*.JPEG`` (224 px noise JPEGs, 2 corruptions
 x 4 classes), converts a randomized timm model of ``--arch`` through the
@@ -18,11 +18,9 @@ import tempfile
 import time
 from typing import Sequence
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from pcsr_jax.errors import ArgumentParser, run_cli  # noqa: E402
+from pcsr_jax.cli import run_cli
+from pcsr_jax.errors import ArgumentParser
 
 
 def make_checkpoint(arch: str, path: str) -> str:
@@ -32,7 +30,7 @@ def make_checkpoint(arch: str, path: str) -> str:
     from pcsr_jax import timm_parity, weights
     from pcsr_jax.models import get_config
   except ImportError:
-    import harness_fixtures
+    from tests import harness_fixtures
     from pcsr_jax.models import get_config
 
     print("torch/timm not installed: using a random Flax init with timm's shapes")
@@ -51,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--batch-size", type=int, default=16)
   p.add_argument("--settings", default="normal,continual,mix_shifts,label_shifts,bs1")
   a = p.parse_args(argv)
-  import harness_fixtures
+  from tests import harness_fixtures
   from pcsr_jax import harness
 
   with tempfile.TemporaryDirectory() as d:

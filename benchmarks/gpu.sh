@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-shot GPU report (issue 14): JAX vs PyTorch step img/s per method in float32 and bf16, and the end-to-end
 # harness on generated JPEGs. Installs nothing: it uses the python3 found (jax with CUDA, torch, timm, flax,
-# optax, orbax) and this checkout on PYTHONPATH. Writes report.json, report.md and logs to $OUT if set.
+# optax, orbax) and this checkout (`python -m benchmarks.gpu_report`, from its root). Writes report.json,
+# report.md and logs to $OUT if set.
 #
 #   bash benchmarks/gpu.sh                 # on the GPU machine (ViT-B/16, batch 64; budget 390 s)
 #   bash benchmarks/gpu.sh --cpu-smoke     # dry run of the whole pipeline on a CPU (ViT-Ti, batch 4, 1 step)
@@ -9,7 +10,6 @@
 # Extra flags go to benchmarks/gpu_report.py (e.g. --methods source,tent --budget-s 300).
 set -u
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
 echo "== $(date -u +%FT%TZ) $(hostname) $(nproc) cores, $(free -g 2>/dev/null | awk '/Mem:/{print $2" GiB"}')"
 command -v nvidia-smi >/dev/null && nvidia-smi -L && \
@@ -33,8 +33,8 @@ PY
 # A carried .whl/ (e.g. pycma for FOA's PyTorch reference, pure Python) is installed aside, never from the network.
 if ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/pcsr_site .whl/*.whl && \
-    export PYTHONPATH="$PYTHONPATH:/tmp/pcsr_site"
+    export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/pcsr_site"
 fi
 # One step of the report never waits on another framework's memory: the workers run one at a time, JAX with its
 # default preallocation. The whole report has a hard limit just under the device's 10-minute command limit.
-exec timeout --signal=TERM --kill-after=10 570 "$PY" benchmarks/gpu_report.py "$@"
+exec timeout --signal=TERM --kill-after=10 570 "$PY" -m benchmarks.gpu_report "$@"

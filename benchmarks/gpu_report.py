@@ -1,7 +1,7 @@
 """One-shot GPU report: JAX vs PyTorch step throughput per method and precision, and the end-to-end harness.
 
-    python benchmarks/gpu_report.py                # ViT-B/16, batch 64, on the GPU (benchmarks/gpu.sh runs it)
-    python benchmarks/gpu_report.py --cpu-smoke    # the same pipeline with ViT-Ti, batch 4, 1 step, a few images
+    python -m benchmarks.gpu_report                # ViT-B/16, batch 64, on the GPU (benchmarks/gpu.sh runs it)
+    python -m benchmarks.gpu_report --cpu-smoke    # the same pipeline with ViT-Ti, batch 4, 1 step, a few images
 
 Phases, each in its own subprocess with a deadline (a hang or crash costs that phase, never the report):
 
@@ -44,7 +44,6 @@ import time
 from typing import Any, Optional, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 TAG = "@@"  # workers' protocol lines on stdout: @@START <job id>, @@RESULT <json>, @@INFO <json>
 
@@ -287,8 +286,8 @@ class Report:
     todo = list(jobs)
     log_path = os.path.join(self.a.work, f"{phase}.log")
     while todo and time.monotonic() < end:
-      cmd = [sys.executable, os.path.abspath(__file__), "--worker", phase, "--jobs", ",".join(todo)] + self.common + \
-          list(extra)
+      cmd = [sys.executable, "-m", "benchmarks.gpu_report", "--worker", phase, "--jobs", ",".join(todo)] + \
+          self.common + list(extra)
       with open(log_path, "a") as errf:
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errf, text=True, cwd=ROOT)
         lines: queue.Queue = queue.Queue()
@@ -463,7 +462,7 @@ def driver(a) -> int:
     a.compile_threads, a.budget_s, a.torch_s, a.reserve_s = 2, max(a.budget_s, 900), 400, 0
   rep = Report(a)
   own_work = a.work is None
-  a.work = a.work or tempfile.mkdtemp(prefix="pcsr_gpu_report_")
+  a.work = os.path.abspath(a.work or tempfile.mkdtemp(prefix="pcsr_gpu_report_"))  # the workers run from ROOT
   os.makedirs(a.work, exist_ok=True)
   names = [m.strip() for m in a.methods.split(",")] if a.methods else list(methods.REGISTRY)
   for m in list(names):

@@ -1,6 +1,6 @@
 """Decode + preprocess throughput of the input pipeline: uint8 vs float32 output, our threads, our processes, grain.
 
-    python benchmarks/input_pipeline.py [--images 256] [--workers 1,2] [--repeats 3] [--no-grain]
+    python -m benchmarks.input_pipeline [--images 256] [--workers 1,2] [--repeats 3] [--no-grain]
 
 Generates ``--images`` 224 px noise JPEGs in ImageNet-C's folder layout (as `end_to_end.py` does) and, when
 TFDS can write one offline, the same JPEGs as a TFDS ``imagenet2012_corrupted/fog_5`` array_record dataset
@@ -34,11 +34,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from pcsr_jax.errors import ArgumentParser, run_cli  # noqa: E402
+from pcsr_jax.cli import run_cli
+from pcsr_jax.errors import ArgumentParser
 
 BATCH = 64
 
@@ -193,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--no-grain", action="store_true")
   a = p.parse_args(argv)
-  import harness_fixtures
+  from tests import harness_fixtures
   from pcsr_jax.data import sources, transforms
 
   try:

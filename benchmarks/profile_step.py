@@ -1,6 +1,6 @@
 """Where one adaptation step's time goes, JAX vs PyTorch, by kind of work; and how far each is from the peak.
 
-    python benchmarks/profile_step.py --method tent --arch vit_small_patch16_224 --batch-size 16
+    python -m benchmarks.profile_step --method tent --arch vit_small_patch16_224 --batch-size 16
 
 Each framework runs in its own subprocess on the same architecture, method, batch size and random batch
 (`step_throughput.jax_step` / `torch_step`). After warm-up it profiles ``--steps`` steps: JAX with
@@ -42,10 +42,10 @@ import time
 from typing import Iterator, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-from benchmarks import step_throughput as st  # noqa: E402
-from pcsr_jax.errors import ArgumentParser, UserError, run_cli  # noqa: E402
+from benchmarks import step_throughput as st
+from pcsr_jax.cli import run_cli
+from pcsr_jax.errors import ArgumentParser, UserError
 
 KINDS = ("dense", "attention", "layernorm", "gelu", "conv", "other")
 
@@ -284,8 +284,8 @@ def profile(a, argv: Sequence[str], method: str) -> dict:
   """Both frameworks' profiles of ``method``'s step, each in its own subprocess; prints them."""
   res = {}
   for fw in st.parse_frameworks(a.frameworks):
-    cmd = [sys.executable, os.path.abspath(__file__)] + list(argv) + ["--worker", fw, "--method", method]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    cmd = [sys.executable, "-m", "benchmarks.profile_step"] + list(argv) + ["--worker", fw, "--method", method]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if r.returncode != 0:
       raise UserError(f"{method}: {fw} worker failed: {(r.stderr.strip().splitlines() or ['no output'])[-1]}")
     res[fw] = json.loads(r.stdout.strip().splitlines()[-1])

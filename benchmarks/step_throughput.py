@@ -1,6 +1,6 @@
 """Throughput of one online adaptation step: the JAX engine vs the PyTorch reference, in one run.
 
-    python benchmarks/step_throughput.py --arch vit_small_patch16_224 --batch-size 16 --method pcsr
+    python -m benchmarks.step_throughput --arch vit_small_patch16_224 --batch-size 16 --method pcsr
 
 Each framework runs in its own subprocess (so peak memory is its own), on the
 same architecture, method, batch size and protocol, the same random weights and
@@ -33,9 +33,9 @@ import time
 from typing import Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-from pcsr_jax.errors import ArgumentParser, UserError, run_cli  # noqa: E402
+from pcsr_jax.cli import run_cli
+from pcsr_jax.errors import ArgumentParser, UserError
 
 
 def peak_rss_mb() -> float:
@@ -370,10 +370,10 @@ def measure(a, method: str, argv: Sequence[str]) -> dict:
   fws = parse_frameworks(a.frameworks)
   runs: dict[str, list[dict]] = {fw: [] for fw in fws}
   for fw in round_order(fws, a.rounds):
-    cmd = [sys.executable, os.path.abspath(__file__)] + list(argv) + ["--worker", fw, "--method", method,
+    cmd = [sys.executable, "-m", "benchmarks.step_throughput"] + list(argv) + ["--worker", fw, "--method", method,
                                                                       "--steps", str(a.steps),
                                                                       "--warmup", str(a.warmup)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if r.returncode != 0:
       tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
       raise UserError(f"{method}: {fw} worker failed: {tail}")

@@ -5,7 +5,7 @@ The code lives in `pcsr_jax/experiments/ablations.py`; this file is its command.
 
 import sys
 
-from pcsr_jax.errors import run_cli
+from pcsr_jax.cli import run_cli
 from pcsr_jax.experiments.ablations import main
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ The code lives in `pcsr_jax/experiments/source_stats.py`; this file is its comma
 
 import sys
 
-from pcsr_jax.errors import run_cli
+from pcsr_jax.cli import run_cli
 from pcsr_jax.experiments.source_stats import main
 
 if __name__ == "__main__":

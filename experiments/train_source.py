@@ -5,7 +5,7 @@ The code lives in `pcsr_jax/experiments/train_source.py`; this file is its comma
 
 import sys
 
-from pcsr_jax.errors import run_cli
+from pcsr_jax.cli import run_cli
 from pcsr_jax.experiments.train_source import main
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ The code lives in `pcsr_jax/experiments/visualize_domain_tokens.py`; this file i
 
 import sys
 
-from pcsr_jax.errors import run_cli
+from pcsr_jax.cli import run_cli
 from pcsr_jax.experiments.visualize_domain_tokens import main
 
 if __name__ == "__main__":

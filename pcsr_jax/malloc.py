@@ -81,7 +81,7 @@ def tuned_env(env: Mapping[str, str]) -> dict[str, str]:
 def reexec(environ: Mapping[str, str] = os.environ) -> None:
   """Replaces this process with the same command line under `tunables`, where wanted; else returns. Call
   first thing in a command (before JAX starts, so nothing is lost); the new process finds the settings in its
-  environment and goes on. An unknown ``PCSR_JAX_MALLOC`` raises `UserError` (`errors.run_cli`: one line)."""
+  environment and goes on. An unknown ``PCSR_JAX_MALLOC`` raises `UserError` (`cli.run_cli`: one line)."""
   env = tuned_env(environ)
   if env.get("GLIBC_TUNABLES") == environ.get("GLIBC_TUNABLES"):
     return

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 
 import jax
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # convert_weights.py, benchmarks/ and tests/ helpers import from the repo root
 jax.config.update("jax_default_matmul_precision", "highest")
 # XLA's CPU compiles dominate this suite; a persistent cache lets identical programs (the same method
 # rebuilt in another test, or in CI's second pass) skip recompiling. It changes no result.

@@ -1,6 +1,6 @@
 """Regenerates the golden timm fixtures in tests/golden/ (needs torch + timm).
 
-    python tests/make_golden.py
+    python -m tests.make_golden
 
 Each fixture holds a small randomized timm ViT's state dict (``sd/<timm key>``),
 its config, an input batch (NHWC), timm's logits and timm's token features
@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pcsr_jax.models import ViTConfig  # noqa: E402
+from pcsr_jax.models import ViTConfig
 
 GOLDEN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 FIXTURES = {

@@ -33,11 +33,10 @@ def test_time_runs_first_warmup_and_timed_steps_without_a_cap():
 
 
 # A step whose first calls take fresh memory (20% of the process's resident memory each, touched and kept), as
-# a heap still finding room for a step's blocks does. In a fresh process (its memory is its own).
+# a heap still finding room for a step's blocks does. In a fresh process (its memory is its own), from the root.
 _GROWING = """
-import json, sys
+import json
 import numpy as np
-sys.path.insert(0, {root!r})
 from benchmarks.step_throughput import _time, rss_mb
 held, calls, growing = [], [], [4]
 def step():
@@ -56,13 +55,33 @@ print(json.dumps(out))
 
 
 def test_warmup_goes_on_while_the_step_still_grows_the_process():
-  r = subprocess.run([sys.executable, "-c", _GROWING.format(root=ROOT)], capture_output=True, text=True,
-                     timeout=120)
+  r = subprocess.run([sys.executable, "-c", _GROWING], cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert r.returncode == 0, r.stderr[-2000:]
   out = json.loads(r.stdout.strip().splitlines()[-1])
   # first, 3 growing warm-up steps, 2 steady ones, 3 timed (a fixed warm-up of 2 would time growing steps)
   assert out["timed"] == 3 and out["calls"] == 1 + 3 + 2 + 3, out
   assert out["capped_calls"] == 1 + 2 + 1, out  # the extension is capped: warmup + max_extra, then 1 timed
+
+
+def test_scripts_run_as_modules_from_the_root_without_editing_sys_path():
+  """``python -m benchmarks.<name>`` from the repository root finds pcsr_jax, the `benchmarks` package and the tests'
+  helpers (`tests.harness_fixtures`) with no PYTHONPATH and no script putting a folder on ``sys.path``."""
+  folder = os.path.join(ROOT, "benchmarks")
+  scripts = sorted(f for f in os.listdir(folder) if f.endswith(".py") and f != "__init__.py")
+  assert "step_throughput.py" in scripts and len(scripts) >= 9, scripts
+  for f in scripts:
+    with open(os.path.join(folder, f), encoding="utf-8") as src:
+      assert "sys.path" not in src.read(), f
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  r = subprocess.run([sys.executable, "-m", "benchmarks.augmix_views", "--views", "0"], cwd=ROOT, env=env,
+                     capture_output=True, text=True, timeout=120)
+  assert r.returncode == 2 and r.stderr.strip() == ("augmix_views.py: error: --views and --reps must be positive "
+                                                    "and --size at least 8, got 0, 3, 224"), r.stderr
+  probe = "import benchmarks.end_to_end, pcsr_jax, tests.harness_fixtures as h; print(h.__file__, pcsr_jax.__file__)"
+  r = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert r.stdout.split() == [os.path.join(ROOT, "tests", "harness_fixtures.py"),
+                              os.path.join(ROOT, "pcsr_jax", "__init__.py")], r.stdout
 
 
 def test_time_cap_stops_warmup_and_timing_but_keeps_one_timed_step():

@@ -103,6 +103,7 @@ def test_load_rejects_a_dir_that_is_not_a_checkpoint(tmp_path):
     checkpoint.load(str(tmp_path))
 
 
+@pytest.mark.core
 def test_convert_checkpoint_infers_standard_arch(tmp_path):
   from safetensors.numpy import save_file
 
@@ -197,6 +198,7 @@ def test_cli_bad_input_matrix(golden_safetensors, tmp_path):
   assert not any((tmp_path / n).exists() for n in "abcdefg")
 
 
+@pytest.mark.core
 def test_cli_missing_keys_are_listed(tmp_path):
   from safetensors.numpy import save_file
 

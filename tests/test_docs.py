@@ -46,3 +46,30 @@ def test_every_link_and_repo_path_in_the_readme_and_docs_exists():
   readme = _read("README.md")
   for page in PAGES[1:]:
     assert f"]({page})" in readme, f"README.md does not link {page}"
+
+
+# Where a user copies a command from: the pages, the results' records, the GPU script, the scripts' docstrings.
+COMMAND_FILES = PAGES + sorted(
+    os.path.relpath(p, ROOT) for pattern in ("experiments/results/**/*.md", "benchmarks/**/*.py", "benchmarks/*.sh",
+                                             "experiments/*.py", "tests/*.py", "convert_weights.py")
+    for p in glob.glob(os.path.join(ROOT, pattern), recursive=True))
+# `python benchmarks/x.py` (possibly wrapped after `python`): the scripts are modules of the `benchmarks` package.
+SCRIPT_FORM = re.compile(r"\bpython3?\s+(?:#\s*)?benchmarks/\w+\.py")
+MODULE_FORM = re.compile(r"\bpython3?\s+-m\s+(?:#\s*)?((?:benchmarks|tests)\.\w+)")
+
+
+def test_benchmark_commands_run_them_as_modules():
+  assert "README.md" in COMMAND_FILES and "benchmarks/gpu.sh" in COMMAND_FILES, COMMAND_FILES
+  old, missing, seen = [], [], set()
+  for page in COMMAND_FILES:
+    if page == "tests/test_docs.py":
+      continue
+    text = _read(page)
+    old += [f"{page}: {m.group(0)!r}" for m in SCRIPT_FORM.finditer(text)]
+    for module in MODULE_FORM.findall(text):
+      seen.add(module)
+      if not os.path.isfile(os.path.join(ROOT, *module.split(".")) + ".py"):
+        missing.append(f"{page}: python -m {module}")
+  assert not old, f"run as `python -m benchmarks.<name>` from the repository root: {old}"
+  assert not missing, missing
+  assert "benchmarks.step_throughput" in seen and "benchmarks.gpu_report" in seen, seen

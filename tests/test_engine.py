@@ -18,7 +18,8 @@ from tiny import TINY, batches, tiny_model
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("name", ["source", "tent", "sar", "pcsr", "pcsr-frozen"])
+@pytest.mark.parametrize("name", ["source", pytest.param("tent", marks=pytest.mark.core), "sar",
+                                  pytest.param("pcsr", marks=pytest.mark.core), "pcsr-frozen"])
 def test_one_compile_for_a_stream_with_a_ragged_last_batch(name):
   ad, _, _, out = run(methods.get(name), n=4, batch_size=6, last=2, fresh=True)
   assert ad.num_traces == 1

@@ -27,6 +27,7 @@ def test_set():
   return fashion_mnist.load("test")
 
 
+@pytest.mark.core
 def test_fashion_mnist_is_the_real_test_set(test_set):
   x, y = test_set
   assert x.shape == (10000, 32, 32, 3) and x.dtype == np.uint8

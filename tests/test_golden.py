@@ -9,9 +9,10 @@ import golden_fixtures
 from pcsr_jax import weights
 from pcsr_jax.models import create
 
-assert golden_fixtures.NAMES, "no golden fixtures: run python tests/make_golden.py"
+assert golden_fixtures.NAMES, "no golden fixtures: run python -m tests.make_golden"
 
 
+@pytest.mark.core
 @pytest.mark.parametrize("name", golden_fixtures.NAMES)
 def test_logits_and_block_features_match_timm(name):
   g = golden_fixtures.load(name)
@@ -32,6 +33,7 @@ def test_flax_to_timm_round_trip_is_exact(name):
     np.testing.assert_array_equal(back[k], v, err_msg=k)
 
 
+@pytest.mark.core
 @pytest.mark.parametrize("layout", ["augreg", "big_vision"])
 def test_bigvision_npz_round_trip_is_exact(layout):
   g = golden_fixtures.load(golden_fixtures.NAMES[0])

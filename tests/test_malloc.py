@@ -34,11 +34,10 @@ def test_each_mode_adds_its_tunables_once_and_only_where_wanted():
 
 # A CLI whose step has a 128 MiB temporary (h, between two dots): its page faults per call (the fewest of 4
 # rounds of 5 calls, after 10: under the tunables glibc's heap takes a few calls to settle, then faults none),
-# and the tunables it ran under.
+# and the tunables it ran under. Run from the repository root (``python -c`` imports its pcsr_jax first).
 _CLI = """
 import json, os, resource, sys
-sys.path.insert(0, {root!r})
-from pcsr_jax.errors import run_cli
+from pcsr_jax.cli import run_cli
 
 def main(argv):
   import jax, jax.numpy as jnp
@@ -60,7 +59,7 @@ run_cli(main, sys.argv[1:])
 
 def _run(extra_env: dict) -> subprocess.CompletedProcess:
   env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", malloc.ENV)}
-  return subprocess.run([sys.executable, "-c", _CLI.format(root=ROOT)], env={**env, **CPU, **extra_env},
+  return subprocess.run([sys.executable, "-c", _CLI], env={**env, **CPU, **extra_env}, cwd=ROOT,
                         capture_output=True, text=True, timeout=300)
 
 

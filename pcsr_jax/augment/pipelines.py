@@ -261,7 +261,7 @@ def augmix_views(key: Array, img01: Array, n_views: int, size: Optional[int] = N
   steps), or vectorised, where each of a view's 3 x 3 steps computes every op and selects. The same draws
   and the same 8-bit crops and chains either way; the final mix, fused differently, can differ by a float32
   ulp (``tests/test_augment.py``). ``None``: loop on the CPU, where it is about 5x faster (64 views at 224 px
-  on 2 cores: 0.41 s against 2.20 s, ``python benchmarks/augmix_views.py``; ``equalize``'s histogram
+  on 2 cores: 0.41 s against 2.20 s, ``python -m benchmarks.augmix_views``; ``equalize``'s histogram
   dominates the vectorised form), vectorise on accelerators, where 192 sequential chains per image would
   cost more than the discarded arithmetic.
   """
