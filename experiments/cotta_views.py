@@ -5,7 +5,7 @@ The code lives in `pcsr_jax/experiments/cotta_views.py`; this file is its comman
 
 import sys
 
-from pcsr_jax.errors import run_cli
+from pcsr_jax.cli import run_cli
 from pcsr_jax.experiments.cotta_views import main
 
 if __name__ == "__main__":

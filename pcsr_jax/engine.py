@@ -67,7 +67,7 @@ def use_cpu_devices(n: Optional[int]) -> None:
   """Splits the host CPU into ``n`` JAX devices (None: leave jax's default, one). Call before any JAX
   computation. Why: XLA:CPU runs some ops of a step on one thread only (the attention's batched matmuls among
   them), so on an N-core machine N devices, each with 1/N of the batch, keep every core busy (ViT-S/16 TENT
-  and Source steps ~10% faster on 2 cores, `benchmarks/step_throughput.py --cpu-devices`). The batch is
+  and Source steps ~10% faster on 2 cores, `python -m benchmarks.step_throughput --cpu-devices`). The batch is
   padded to a multiple of ``n`` (so with batch size 1, ``n`` > 1 only adds work), and the results equal
   one device's up to float32 rounding (gradients are summed per device, then across devices)."""
   if n is None:

@@ -161,8 +161,8 @@ def in_row_passes(prep: Prepared, fn: Callable[[Array], Any], images: Array) -> 
   # Pass i takes rows i, i + n, i + 2n, ...: each device's rows (a contiguous block) feed every pass evenly.
   passes = images.reshape((r, n) + images.shape[1:]).swapaxes(0, 1)
   # Unrolled, not a `lax.map`: a loop stacks every pass's residuals into one buffer for the backward pass and
-  # slices them out again, copies that took a fifth of TENT's non-matmul time at ViT-S/16 batch 64 (`python
-  # benchmarks/profile_step.py --arch vit_small_patch16_224 --batch-size 64 --method tent --row-chunk 16`).
+  # slices them out again, copies that took a fifth of TENT's non-matmul time at ViT-S/16 batch 64 (`python -m
+  # benchmarks.profile_step --arch vit_small_patch16_224 --batch-size 64 --method tent --row-chunk 16`).
   # Unrolled, each pass keeps its own buffers: TENT's step there ran 6% faster (4 alternating runs of each), SAR's
   # 14% (one run of each); their compiles took a third to a half longer (each pass is compiled on its own).
   outs = [fn(shard_rows(prep, passes[i])) for i in range(n)]

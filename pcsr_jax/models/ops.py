@@ -157,7 +157,7 @@ def patch_conv(x: Array, kernel: Array) -> Array:
 
   The backward is two matmuls over non-overlapping patches: ``dK[p, q, c, d] = sum over (b, h, w) of
   patch[b, h, w, p, q, c] * dY[b, h, w, d]`` and ``dX`` its transpose. XLA:CPU's convolution backward for the
-  kernel took 9.8 s of a MEMO step's 25.8 s at ViT-S/16 with 64 views (`benchmarks/profile_step.py --method
+  kernel took 9.8 s of a MEMO step's 25.8 s at ViT-S/16 with 64 views (`python -m benchmarks.profile_step --method
   memo --batch-size 1`; 0.16 s with this VJP). The steps of AdaContrast and CoTTA, which also train the patch
   embedding, did not change measurably at batch 16."""
   return _patch_conv(x, kernel)
