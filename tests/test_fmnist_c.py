@@ -193,3 +193,16 @@ def test_builtin_cli_bad_flags_are_one_line_errors(tmp_path):
                        + flags, capture_output=True, text=True)
     assert r.returncode == 2, (flags, r.stderr[-500:])
     assert msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_cotta_views_fire_on_brightness_and_cost_accuracy_on_the_first_batch(capsys):
+  """docs/builtin_benchmark.md's CoTTA finding, from its command: on brightness the anchor's mean confidence is
+  below ``ap`` on the first batch, before any update, and the averaged views alone predict worse than the source."""
+  from pcsr_jax.experiments import cotta_views
+
+  cotta_views.main(["--images", "64", "--corruptions", "brightness"])
+  row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("brightness"))
+  fields = row.split()
+  fired, acc_source, acc_views = fields[3], float(fields[4]), float(fields[5])
+  assert fired == "1/1", row
+  assert acc_views < acc_source - 10, row

@@ -13,7 +13,6 @@ printed (the views drawn from seed 0; a run draws its own, so a figure can diffe
 
 from __future__ import annotations
 
-import argparse
 from typing import Sequence
 
 import jax
@@ -23,12 +22,12 @@ import numpy as np
 from pcsr_jax import checkpoint, methods
 from pcsr_jax.data import corruptions as corr
 from pcsr_jax.data import fmnist_c, streams, transforms
-from pcsr_jax.errors import UserError
+from pcsr_jax.errors import ArgumentParser, UserError
 from pcsr_jax.experiments import builtin
 
 
 def main(argv: Sequence[str]) -> None:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--images", type=int, default=builtin.DEFAULT_IMAGES, help="per corruption (default 1280)")
   p.add_argument("--corruptions", default=None, help="comma-separated (default: the 15 benchmark ones)")
   p.add_argument("--seed", type=int, default=builtin.DEFAULT_SEEDS[0], help="the stream's seed (2022)")
