@@ -159,9 +159,11 @@ def test_padded_rows_change_nothing():
       outs.append((np.asarray(logits)[:5], state, metrics))
     assert int(outs[0][2]["augmented"]) == int(outs[1][2]["augmented"]) == int(ap > 0)
     np.testing.assert_allclose(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5)
+    # A batch of 8 sums the gradient over other shapes than one of 5: float32 rounding, up to 1.2e-6 on a
+    # param of 0.018 on an AMD EPYC (1e-6 held on the machines before). The bound is the logits' 1e-5.
     for a, b in zip(jax.tree.leaves((outs[0][1].trainable, outs[0][1].extra, outs[0][1].opt_state)),
                     jax.tree.leaves((outs[1][1].trainable, outs[1][1].extra, outs[1][1].opt_state))):
-      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
 def test_views_are_augmented_pixels_renormalized_or_foas_normalized_tensor():

@@ -96,7 +96,9 @@ class CoTTA(Method):
   nesterov: bool = False  # FOA/SPA; the official ResNet-50 config uses Nesterov
   mt: float = field(0.999, "[0, 1]")  # teacher EMA momentum (alpha_teacher)
   rst: float = field(0.001, "[0, 1]")  # stochastic restore probability per element
-  ap: float = field(0.1, "[0, 1]")  # augment when the batch mean of the anchor's max softmax probability is below this
+  # Augment when the batch mean of the anchor's max softmax probability is below this: above 1 on every batch,
+  # 0 never (the official test is a plain `<`, any number).
+  ap: float = field(0.1, ">= 0")
   n_aug: int = field(32, ">= 1")  # augmented views averaged by the teacher
   # views forwarded at once (lax.map batch_size); 1: one after the other, as the official
   aug_chunk: int = field(1, ">= 1")
