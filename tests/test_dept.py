@@ -130,8 +130,9 @@ def test_padded_rows_change_nothing(tiny):
       bank_probs=jax.nn.softmax(jax.random.normal(jax.random.key(3), state.extra.bank_probs.shape)),
       bank_filled=jnp.asarray(6, jnp.int32), bank_ptr=jnp.asarray(6, jnp.int32)))
   garbage = lambda v: v.at[5:].set(37.0)
-  s8, _, m8 = method.adapt(prep, frozen, state, garbage(x), jnp.arange(8) < 5, tuple(map(garbage, views)))
-  s5, _, m5 = method.adapt(prep, frozen, state, x[:5], jnp.ones(5, bool), tuple(v[:5] for v in views))
+  adapt = jax.jit(lambda *a: method.adapt(prep, frozen, *a))
+  s8, _, m8 = adapt(state, garbage(x), jnp.arange(8) < 5, tuple(map(garbage, views)))
+  s5, _, m5 = adapt(state, x[:5], jnp.ones(5, bool), tuple(v[:5] for v in views))
   for a, b in zip(jax.tree.leaves((s8.trainable, s8.extra)), jax.tree.leaves((s5.trainable, s5.extra))):
     np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-5)
   assert int(s8.extra.bank_filled) == 11 and int(s8.extra.bank_ptr) == 11
