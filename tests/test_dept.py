@@ -140,6 +140,7 @@ def test_padded_rows_change_nothing(tiny):
   assert not np.allclose(s8.trainable["prompts"], state.trainable["prompts"])  # it adapted
 
 
+@pytest.mark.slow
 def test_engine_step_compiles_once_and_runs_as_the_bank_wraps(tiny):
   model, params, folder = tiny
   ad = engine.Adapter(methods.get("dept-g", prompts=folder, queue_size=16, warmup=12), model, params, batch_size=8)
