@@ -125,6 +125,33 @@ def lr_decay(step, warmup: int, total: int):
   return jnp.where(step < warmup, warm, cos)
 
 
+def source_loss(model, frozen, student, teacher, center, teacher_view, student_view, labels, valid, temp):
+  """``(loss, (parts, teacher DINO-CLS output))`` of one source step on given normalised views (``source.py``
+  ``train_epoch``): the teacher (already EMA-updated; ``teacher`` and ``student`` are the trainable params
+  over ``frozen``) on ``teacher_view``, the student on ``student_view``; label-smoothed CE + ``beta``
+  DINO-CLS (teacher temperature ``temp``) + ``beta2`` prompt consistency + ``lam`` prompt diversity."""
+  import jax
+  import jax.numpy as jnp
+
+  from pcsr_jax.methods import dept
+  from pcsr_jax.methods.base import merge
+
+  s = Settings
+  w = valid.astype(jnp.float32)
+  weights = dept.stage_weights(model.prompt.stages, s.tau)
+  num_classes = model.config.num_classes
+  _, _, t_cls, t_prompt, _ = dept.dino_forward(model, merge(frozen, teacher), teacher_view)
+  _, logits, s_cls, s_prompt, s_dist = dept.dino_forward(model, merge(frozen, student), student_view)
+  target = jax.nn.one_hot(labels, num_classes) * (1 - s.label_smoothing) + s.label_smoothing / num_classes
+  ce = dept.masked_mean(-jnp.sum(target * jax.nn.log_softmax(logits), axis=-1), w)
+  dino = dept.dino_cls_loss(s_cls, t_cls, center, temp, s.student_temp, w)
+  cons = dept.prompt_consistency(s_prompt, t_prompt, weights, w)
+  div = dept.prompt_diversity(s_dist, weights, w)
+  acc = dept.masked_mean((jnp.argmax(logits, -1) == labels).astype(jnp.float32), w)
+  parts = dict(ce=ce, dino_cls=dino, prompt=cons, prompt_div=div, accuracy=acc)
+  return ce + s.beta * dino + s.beta2 * cons + s.lam * div, (parts, jax.lax.stop_gradient(t_cls))
+
+
 class Trainer:
   """The source stage's model, optimizer and compiled step (`train` drives it; tests drive it directly)."""
 
@@ -135,7 +162,7 @@ class Trainer:
     import optax
 
     from pcsr_jax.methods import dept
-    from pcsr_jax.methods.base import merge, split
+    from pcsr_jax.methods.base import split
     from pcsr_jax.models import prompted
 
     self.prompt, self.epochs, self.mean, self.std = prompt, epochs, tuple(mean), tuple(std)
@@ -156,12 +183,7 @@ class Trainer:
                           optax.multi_transform({"backbone": sgd(lr), "extra": sgd(lr * s.extra_lr_factor)}, labels))
     self.state = dict(student=trainable, teacher=teacher, opt=self.tx.init(trainable),
                       center=jnp.zeros((prompt.dino_out,), jnp.float32), step=jnp.zeros((), jnp.int32))
-    weights = dept.stage_weights(prompt.stages, s.tau)
-    num_classes = model.config.num_classes
     frozen = self.frozen
-
-    def outputs(params, x):
-      return dept.dino_forward(pm, params, x)[1:]
 
     def step(frozen, state, images, labels, valid, temp):
       from pcsr_jax import augment
@@ -169,25 +191,14 @@ class Trainer:
       k1, k2 = jax.random.split(jax.random.fold_in(self.data_key, state["step"]))
       x01 = augment.denormalize(images, self.mean, self.std)
       view = lambda k: augment.normalize(augment.dept_strong(k, x01, s.crop_scale), self.mean, self.std)
-      w = valid.astype(jnp.float32)
       teacher = jax.tree.map(lambda t, p: t * s.ema + p * (1.0 - s.ema), state["teacher"], state["student"])
-      _, t_cls, t_prompt, _ = outputs(merge(frozen, teacher), view(k1))
-
-      def loss_fn(student):
-        logits, s_cls, s_prompt, s_dist = outputs(merge(frozen, student), view(k2))
-        target = jax.nn.one_hot(labels, num_classes) * (1 - s.label_smoothing) + s.label_smoothing / num_classes
-        ce = dept.masked_mean(-jnp.sum(target * jax.nn.log_softmax(logits), axis=-1), w)
-        dino = dept.dino_cls_loss(s_cls, t_cls, state["center"], temp, s.student_temp, w)
-        cons = dept.prompt_consistency(s_prompt, t_prompt, weights, w)
-        div = dept.prompt_diversity(s_dist, weights, w)
-        acc = dept.masked_mean((jnp.argmax(logits, -1) == labels).astype(jnp.float32), w)
-        return ce + s.beta * dino + s.beta2 * cons + s.lam * div, dict(ce=ce, dino_cls=dino, prompt=cons,
-                                                                        prompt_div=div, accuracy=acc)
-
-      (loss, parts), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["student"])
+      loss_fn = lambda student: source_loss(pm, frozen, student, teacher, state["center"], view(k1), view(k2),
+                                            labels, valid, temp)
+      (loss, (parts, t_cls)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["student"])
       updates, opt = self.tx.update(grads, state["opt"], state["student"])
       new = dict(student=optax.apply_updates(state["student"], updates), teacher=teacher, opt=opt,
-                 center=dept.new_center(state["center"], t_cls, w, s.center_momentum), step=state["step"] + 1)
+                 center=dept.new_center(state["center"], t_cls, valid.astype(jnp.float32), s.center_momentum),
+                 step=state["step"] + 1)
       return new, dict(parts, loss=loss)
 
     self._step = jax.jit(step, donate_argnums=(1,))

@@ -60,6 +60,14 @@ DDP, which its scripts use); the strong crop resamples with PIL's antialiased bi
 uses bicubic) and the views use tensor colour ops and an exact Gaussian blur, as `adacontrast`'s; random
 numbers are JAX's. Padded rows (``valid`` False) enter no loss, statistic, center or bank. Cost per step: student
 weak + teacher strong + student strong (with backward) + teacher weak + the "after" forward = "5F+1B".
+
+For tests and references: `DePTG.adapt` runs one iteration on given views (``draw_views`` draws them),
+`DePTG.pseudo_labels` gives the weak view's labels, `dino_forward` one pass of the prompted model and its DINO
+heads; the loss terms are module functions (`dino_cls_loss`, `new_center`, `prompt_consistency`,
+`prompt_distances`, `prompt_diversity`, `clip_per_tensor`), which the source stage
+(`pcsr_jax.experiments.train_prompts.source_loss`) shares. `save_prompts` / `load_prompts` write and read a
+prompts folder; the param names are `pcsr_jax.models.prompted`'s (``prompts`` ``[S, P, D]``, ``dino_<s>``
+with ``fc0`` .. and ``last_v``, the timm backbone's, ``head``).
 """
 
 from __future__ import annotations
