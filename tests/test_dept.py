@@ -231,3 +231,21 @@ def test_train_prompts_resumes_bit_identically_and_is_deterministic(source_world
     _train(w, tmp_path / "a", "--resume")
   with pytest.raises(UserError, match=r"holds trained prompts already"):
     _train(w, tmp_path / "a")
+
+
+def test_weak_view_is_a_resized_random_crop_and_flip():
+  """At resize = input size the weak view is the image or its mirror (8-bit input: the resize is exact); at
+  the official ratio (32 -> 37 px) it is a 32 px crop of 8-bit levels, drawn per sample."""
+  from pcsr_jax import augment
+
+  x = jnp.asarray(np.random.default_rng(0).integers(0, 256, (6, 32, 32, 3)) / 255.0, jnp.float32)
+  weak = jax.jit(augment.dept_weak, static_argnums=2)
+  same = weak(jax.random.key(0), x, 32)
+  for a, b in zip(np.asarray(same), np.asarray(x)):
+    assert np.allclose(a, b, atol=1e-6) or np.allclose(a, b[:, ::-1], atol=1e-6)
+  copies = jnp.broadcast_to(x[:1], x.shape)
+  big = np.asarray(weak(jax.random.key(1), copies, 37))
+  assert big.shape == x.shape and np.allclose(big * 255, np.round(big * 255), atol=1e-4)
+  assert len({b.tobytes() for b in big}) > 1  # one draw per sample
+  strong = np.asarray(jax.jit(augment.dept_strong, static_argnums=2)(jax.random.key(2), x, (0.2, 1.0)))
+  assert strong.shape == x.shape and strong.min() >= 0 and strong.max() <= 1
