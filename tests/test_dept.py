@@ -116,6 +116,7 @@ def test_pseudo_labels_are_the_argmax_until_warm_then_the_mean_probs_of_the_near
     np.testing.assert_array_equal(labels, np.argmax(bank_p[nearest].mean(1), 1))
 
 
+@pytest.mark.slow
 def test_padded_rows_change_nothing(tiny):
   """A batch of 5 and the same 5 rows padded to 8 with garbage: the same update, teacher, center and bank."""
   model, params, folder = tiny
