@@ -27,7 +27,8 @@ from pcsr_jax.methods.pcsr import PCSR
 
 PRESETS = {
     # Every method that exists (the paper's Table 1 rows we have, and the strongest ViT baselines since).
-    # CFA and FOA need --source-data (ImageNet train with labels for CFA, val for FOA; EATA's Fisher: val).
+    # CFA and FOA need --source-data (ImageNet train with labels for CFA, val for FOA; EATA's Fisher: val);
+    # DePT-G its source-stage prompts: --method-args '{"dept-g": {"prompts": DIR}}' (experiments/train_prompts.py).
     "table1": dict(severity=5, setting="normal", batch_size=64, seeds=(2022, 2023, 2024),
                    methods=tuple(methods.REGISTRY)),
     "level3": dict(severity=3, setting="normal", batch_size=64, seeds=(2022, 2023, 2024)),
