@@ -37,13 +37,15 @@ Departures (the code is incomplete or offline; the online choices are `pcsr_jax.
 * The classifier head is the given model's (the official builds a new Linear for a non-1000-class set and
   trains it in the source stage).
 * Online, as the official has no online entry point (``train_target_dino_online`` is undefined) and fills its
-  bank with the whole target set before training: the bank is a FIFO ring of ``queue_size`` entries filled from
-  the stream with the teacher's weak-view outputs; until it holds ``warmup`` entries the pseudo-labels are the
-  argmax of the student's weak-view probabilities (as AdaContrast's online form); kNN over the filled entries
-  only. The learning rate is constant (the official's cosine runs over a known number of epochs), the teacher
-  temperature stays at its first value (0.07 for the target stage), ``steps`` iterations per batch (the
-  config's ``iters_per_batch``, read by nothing), each with its own views and bank write, and ``predict``
-  names the model that predicts and when.
+  bank with the whole target set before training, the choices of `pcsr_jax.methods.dept`: the bank is a FIFO
+  ring of ``queue_size`` (16,384) entries filled from the stream with the teacher's weak-view outputs; until it
+  holds ``warmup`` (1,024) entries the pseudo-labels are the argmax of the student's weak-view probabilities
+  (AdaContrast's online form), then kNN over the filled entries; one iteration per batch (``steps``; the
+  config's ``iters_per_batch`` is read by nothing), each with its own views and bank write; the prediction is
+  the student's on the unaugmented batch after the update (``predict``: 'student-after'); the head and the DINO
+  heads adapt; the VisDA-C script's loss weights; a constant learning rate (the official's cosine runs over a
+  known number of epochs); the teacher temperature 0.07 from the first step (the target script's). The
+  student's weak-view forward runs without a graph (the official keeps one it never uses).
 * Views come from ``view_source`` when given (an iterator of ``(weak, strong_teacher, strong_student)``
   normalised NCHW tensors, one per iteration), else they are drawn with torchvision as ``DataAugmentationDINO``
   at the input size (weak: resize to size * 256 / 224, random crop, flip; strong: random resized crop (0.2, 1)
@@ -307,8 +309,8 @@ class Reference:
                state: Optional[Mapping[str, np.ndarray]] = None, out_dim: int = 2048, hidden_dim: int = 2048,
                bottleneck_dim: int = 256, nlayer_head: int = 2, lr: float = 5e-3, momentum: float = 0.9,
                weight_decay: float = 1e-4, ema: float = 0.99, teacher_temp: float = 0.07,
-               student_temp: float = 0.1, num_neighbors: int = 10, queue_size: int = 1024,
-               warmup: Optional[int] = None, alpha: float = 1.0, beta: float = 0.1, beta2: float = 0.1,
+               student_temp: float = 0.1, num_neighbors: int = 10, queue_size: int = 16384,
+               warmup: int = 1024, alpha: float = 1.0, beta: float = 0.1, beta2: float = 0.1,
                eta: float = 1.0, lam: float = 0.05, clip_grad: float = 1.0, steps: int = 1,
                predict: str = "student-after", mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5),
                view_source: Optional[Iterator[tuple[torch.Tensor, ...]]] = None):
@@ -324,7 +326,7 @@ class Reference:
     self.weights = dict(alpha=alpha, beta=beta, beta2=beta2, eta=eta, lam=lam)
     self.clip_grad, self.steps, self.predict = clip_grad, steps, predict
     self.num_neighbors, self.queue_size = num_neighbors, queue_size
-    self.warmup = queue_size if warmup is None else warmup
+    self.warmup = warmup
     dev, dim = self.dino.student.cls_token.device, self.dino.student.output_dim
     classes = self.dino.student.head.out_features
     self.banks = {"features": torch.zeros(queue_size, dim, device=dev),
@@ -351,8 +353,9 @@ class Reference:
   def pseudo_labels(self, feats_w: torch.Tensor, probs_w: torch.Tensor) -> torch.Tensor:
     """``refine_predictions`` over the filled bank once it holds ``warmup`` entries, else the argmax."""
     filled = self.banks["filled"]
+    self.last_argmax = probs_w.argmax(1)
     if filled < max(self.warmup, 1):
-      return probs_w.argmax(1)
+      return self.last_argmax
     self.knn_steps += 1
     bank = self.banks["features"][:filled]
     d = 1 - F.normalize(feats_w, dim=1) @ F.normalize(bank, dim=1).T
