@@ -128,7 +128,9 @@ class RunConfig:
     if unknown:
       raise UserError(f"method arguments for unknown methods {unknown}")
     for m in self.methods:  # e.g. "perturbed" needs a method with a second (SAM) forward
-      orders = methods.get(m, **self.method_args.get(m, {})).eval_orders
+      method = methods.get(m, **self.method_args.get(m, {}))
+      method.check_inputs()  # DePT-G's trained prompts: before any work
+      orders = method.eval_orders
       if self.eval_order is not None and self.eval_order not in orders:
         raise UserError(f"--eval-order {self.eval_order}: not available for {m} (it has {', '.join(orders)})")
     if self.batch_size < 1 or (self.limit is not None and self.limit < 1) or self.checkpoint_every < 1:

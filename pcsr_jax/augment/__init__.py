@@ -17,12 +17,13 @@ SPA); bilinear sampling gathers whole pixels, which compiled and ran faster here
 from pcsr_jax.augment.ops import denormalize, normalize
 from pcsr_jax.augment.pipelines import (AUGMIX_OPS, COTTA, ROID, TTAAugConfig, adacontrast_strong,
                                         adacontrast_weak, augmix_views, augmix_views_of_keys,
-                                        cotta_augment, roid_augment,
+                                        cotta_augment, dept_strong, dept_weak, roid_augment,
                                         tta_augment)
 from pcsr_jax.augment.spa import spa_amplitude_mask, spa_patch_noise
 
 __all__ = [
     "AUGMIX_OPS", "COTTA", "ROID", "TTAAugConfig", "adacontrast_strong", "adacontrast_weak",
-    "augmix_views", "augmix_views_of_keys", "cotta_augment", "denormalize", "normalize", "roid_augment", "spa_amplitude_mask",
+    "augmix_views", "augmix_views_of_keys", "cotta_augment", "dept_strong", "dept_weak", "denormalize", "normalize",
+    "roid_augment", "spa_amplitude_mask",
     "spa_patch_noise", "tta_augment",
 ]

@@ -6,6 +6,8 @@
   (DT ``classification/augmentations/transforms_cotta.py``, used by ``methods/roid.py``).
 - :func:`adacontrast_strong` / :func:`adacontrast_weak`: DT ``transforms_adacontrast.py`` "moco-v2-light" and
   "plain" at ``res_size = crop_size = input size`` (its ImageNet-C setting).
+- :func:`dept_weak` / :func:`dept_strong`: DePT's ``DataAugmentationDINO`` weak and global views
+  (``yhygao/DePT:model/dept_dino.py``).
 - :func:`augmix_views`: MEMO's ``RandomResizedCrop + flip + AugMix`` (``zhangmarvin/memo:
   imagenet-exps/utils/third_party.py``), V views of one image.
 
@@ -178,6 +180,41 @@ def adacontrast_weak(key: Array, x01: Array) -> Array:
   ImageNet-C/CIFAR setting res = crop = input size, so only the flip (p 0.5) remains."""
   flip = jax.random.uniform(key, (x01.shape[0], 1, 1, 1)) < 0.5
   return jnp.where(flip, ops.hflip(x01), x01)
+
+
+# ---------------------------------------------------------------- DePT (yhygao/DePT model/dept_dino.py)
+
+def _dept_weak_one(key: Array, img: Array, resize: int) -> Array:
+  k_top, k_left, k_flip = jax.random.split(key, 3)
+  h, w, _ = img.shape
+  zero = jnp.zeros((), jnp.float32)
+  big = ops.resized_crop(img, zero, zero, zero + h, zero + w, resize) / 255.0  # Resize((r, r)): PIL bilinear
+  top = jax.random.randint(k_top, (), 0, resize - h + 1)
+  left = jax.random.randint(k_left, (), 0, resize - w + 1)
+  crop = jax.lax.dynamic_slice(big, (top, left, 0), img.shape)
+  return jnp.where(jax.random.uniform(k_flip) < 0.5, ops.hflip(crop), crop)
+
+
+def dept_weak(key: Array, x01: Array, resize: int) -> Array:
+  """DePT's weak view (``DataAugmentationDINO.weak_transfo``): ``Resize((resize, resize))`` (PIL bilinear,
+  8-bit levels), ``RandomCrop`` back to the input size, h-flip p 0.5; an independent draw per sample. The
+  official size is 256 for 224 px input."""
+  return jax.vmap(lambda k, x: _dept_weak_one(k, x, resize))(jax.random.split(key, x01.shape[0]), x01)
+
+
+def dept_strong(key: Array, x01: Array, scale: tuple[float, float] = (0.2, 1.0)) -> Array:
+  """DePT's strong view (``DataAugmentationDINO.global_transfo``): ``RandomResizedCrop(S, scale)`` then
+  h-flip, ColorJitter(0.4, 0.4, 0.4, 0.1) p 0.8, greyscale p 0.2, Gaussian blur sigma U(0.1, 2) p 0.5: AdaContrast's
+  strong view (the same ops and probabilities; the flip commutes with them) after the crop. The crop
+  resamples with PIL's antialiased bilinear filter where the official uses bicubic."""
+  size = x01.shape[1]
+
+  def one(k, img):
+    k_crop, k_rest = jax.random.split(k)
+    top, left, ch, cw = ops.random_resized_crop_box(k_crop, img.shape[0], img.shape[1], scale=scale)
+    return _adacontrast_strong_one(k_rest, ops.resized_crop(img, top, left, ch, cw, size) / 255.0)
+
+  return jax.vmap(one)(jax.random.split(key, x01.shape[0]), x01)
 
 
 # ---------------------------------------------------------------- MEMO: RandomResizedCrop + flip + AugMix

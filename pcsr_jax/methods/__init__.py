@@ -18,6 +18,7 @@ from pcsr_jax.methods.adacontrast import AdaContrast
 from pcsr_jax.methods.cfa import CFA
 from pcsr_jax.methods.cmf import CMF
 from pcsr_jax.methods.cotta import CoTTA
+from pcsr_jax.methods.dept import DePTG
 from pcsr_jax.methods.deyo import DeYO
 from pcsr_jax.methods.eata import EATA
 from pcsr_jax.methods.foa import FOA
@@ -48,6 +49,7 @@ REGISTRY: dict[str, tuple[type[Method], dict]] = {
     "spa": (SPA, {}),
     "roid": (ROID, {}),
     "cmf": (CMF, {}),
+    "dept-g": (DePTG, {}),  # needs prompts trained on source: experiments/train_prompts.py
 }
 
 
@@ -94,5 +96,5 @@ def _is_number(v) -> bool:
   return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-__all__ = ["AdaContrast", "AdaptState", "CFA", "CMF", "CoTTA", "DeYO", "EATA", "FOA", "MEMO", "Method", "PCSR",
-           "Prepared", "REGISTRY", "ROID", "SAR", "SPA", "Source", "T3A", "Tent", "get"]
+__all__ = ["AdaContrast", "AdaptState", "CFA", "CMF", "CoTTA", "DePTG", "DeYO", "EATA", "FOA", "MEMO", "Method",
+           "PCSR", "Prepared", "REGISTRY", "ROID", "SAR", "SPA", "Source", "T3A", "Tent", "get"]

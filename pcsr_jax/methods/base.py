@@ -351,7 +351,7 @@ class Spec:
   def describe(self) -> str:
     if isinstance(self.check, tuple):
       return "one of " + ", ".join(map(str, self.check))
-    what = {"int": "integer", "float": "number"}.get(self.kind, self.kind)
+    what = {"int": "integer", "float": "number", "str": "string"}.get(self.kind, self.kind)
     rng = ""
     if self.check is not None:
       lo, hi, lo_open, hi_open = self.bounds()
@@ -384,6 +384,8 @@ class Spec:
         return True
       lo, hi, lo_open, hi_open = self.bounds()
       return (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+    if self.kind == "str" and not isinstance(v, str):
+      return False
     if isinstance(self.check, tuple):
       return v in self.check
     return True
@@ -464,6 +466,10 @@ class Method(abc.ABC):
   def uses_source_data(self) -> bool:
     """Whether this instance needs statistics of clean source data (a hyperparameter may turn it off)."""
     return self.source_data != "none"
+
+  def check_inputs(self) -> None:
+    """One-line `UserError` if a file the method reads is missing or foreign (DePT-G's trained prompts): called by
+    the harness before any work. Nothing to check by default."""
 
   def source_free(self) -> Optional["Method"]:
     """The documented form this method runs without source data (EATA -> ETA), or None if it has none."""
