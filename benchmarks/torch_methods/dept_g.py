@@ -39,13 +39,14 @@ Departures (the code is incomplete or offline; the online choices are `pcsr_jax.
 * Online, as the official has no online entry point (``train_target_dino_online`` is undefined) and fills its
   bank with the whole target set before training, the choices of `pcsr_jax.methods.dept`: the bank is a FIFO
   ring of ``queue_size`` (16,384) entries filled from the stream with the teacher's weak-view outputs; until it
-  holds ``warmup`` (1,024) entries the pseudo-labels are the argmax of the student's weak-view probabilities
-  (AdaContrast's online form), then kNN over the filled entries; one iteration per batch (``steps``; the
-  config's ``iters_per_batch`` is read by nothing), each with its own views and bank write; the prediction is
-  the student's on the unaugmented batch after the update (``predict``: 'student-after'); the head and the DINO
-  heads adapt; the VisDA-C script's loss weights; a constant learning rate (the official's cosine runs over a
-  known number of epochs); the teacher temperature 0.07 from the first step (the target script's). The
-  student's weak-view forward runs without a graph (the official keeps one it never uses).
+  holds ``warmup`` (1,024) entries, and at least ``num_neighbors``, the pseudo-labels are the argmax of the
+  student's weak-view probabilities (AdaContrast's online form), then kNN over the filled entries; one
+  iteration per batch (``steps``; the config's ``iters_per_batch`` is read by nothing), each with its own views
+  and bank write; the prediction is the student's on the unaugmented batch after the update (``predict``:
+  'student-after'); the head and the DINO heads adapt; the VisDA-C script's loss weights; a constant learning
+  rate (the official's cosine runs over a known number of epochs); the teacher temperature 0.07 from the first
+  step (the target script's). The student's weak-view forward runs without a graph (the official keeps one it
+  never uses).
 * Views come from ``view_source`` when given (an iterator of ``(weak, strong_teacher, strong_student)``
   normalised NCHW tensors, one per iteration), else they are drawn with torchvision as ``DataAugmentationDINO``
   at the input size (weak: resize to size * 256 / 224, random crop, flip; strong: random resized crop (0.2, 1)
@@ -278,7 +279,7 @@ def build(model: nn.Module, stage_num: int = 4, prompt_num: int = 50, m: float =
       raise KeyError(f"unknown DePT parameters {unknown[:4]}")
     with torch.no_grad():
       for k, v in state.items():
-        own[k].copy_(torch.as_tensor(np.asarray(v)).reshape(own[k].shape))
+        own[k].copy_(torch.from_numpy(np.array(v, np.float32)).reshape(own[k].shape))
     dino.teacher.load_state_dict(dino.student.state_dict())
     dino.teacher_dinohead.load_state_dict(dino.student_dinohead.state_dict())
   return dino
@@ -351,10 +352,11 @@ class Reference:
 
   @torch.no_grad()
   def pseudo_labels(self, feats_w: torch.Tensor, probs_w: torch.Tensor) -> torch.Tensor:
-    """``refine_predictions`` over the filled bank once it holds ``warmup`` entries, else the argmax."""
+    """``refine_predictions`` over the filled bank once it holds ``warmup`` entries (and at least
+    ``num_neighbors``), else the argmax."""
     filled = self.banks["filled"]
     self.last_argmax = probs_w.argmax(1)
-    if filled < max(self.warmup, 1):
+    if filled < max(self.warmup, self.num_neighbors):
       return self.last_argmax
     self.knn_steps += 1
     bank = self.banks["features"][:filled]
