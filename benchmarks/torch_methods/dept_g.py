@@ -264,22 +264,26 @@ def clip_gradients(model: nn.Module, clip: float) -> list[float]:
 
 def build(model: nn.Module, stage_num: int = 4, prompt_num: int = 50, m: float = 0.99, out_dim: int = 2048,
           hidden_dim: int = 2048, bottleneck_dim: int = 256, nlayer_head: int = 2,
-          state: Optional[Mapping[str, np.ndarray]] = None) -> DePTDino:
-  """A `DePTDino` over a timm ViT (the teacher a deep copy), its student's prompts and heads from ``state``
-  (``DePTDino.state_dict`` names of the student side: ``student.prompt_list.i``, ``student.head.*``,
-  ``student_dinohead.*``) when given; the teacher starts equal to the student."""
+          state: Optional[Mapping[str, np.ndarray]] = None,
+          teacher_state: Optional[Mapping[str, np.ndarray]] = None) -> DePTDino:
+  """A `DePTDino` over a timm ViT (the teacher's backbone a deep copy), the student's prompts and heads from
+  ``state`` (``DePTDino`` parameter names of the student side: ``student.prompt_list.i``, ``student.head.*``,
+  ``student_dinohead.*``) when given. The teacher starts equal to the student (``target_dino.py`` loads both
+  from the source checkpoint), or from ``teacher_state`` (``teacher.*``, ``teacher_dinohead.*``): in
+  ``source.py`` the teacher is a second model with its own random prompts and heads."""
   student = PromptedViT(model, stage_num, prompt_num)
   teacher = PromptedViT(copy.deepcopy(model), stage_num, prompt_num)
   dino = DePTDino(student, teacher, m, nlayer_head, out_dim, hidden_dim, bottleneck_dim)
   dino = dino.to(next(model.parameters()).device)
-  if state is not None:
-    own = dict(dino.named_parameters())
-    unknown = sorted(set(state) - set(own))
+  own = dict(dino.named_parameters())
+  for given in (state, teacher_state):
+    unknown = sorted(set(given or {}) - set(own))
     if unknown:
       raise KeyError(f"unknown DePT parameters {unknown[:4]}")
     with torch.no_grad():
-      for k, v in state.items():
+      for k, v in (given or {}).items():
         own[k].copy_(torch.from_numpy(np.array(v, np.float32)).reshape(own[k].shape))
+  if teacher_state is None:
     dino.teacher.load_state_dict(dino.student.state_dict())
     dino.teacher_dinohead.load_state_dict(dino.student_dinohead.state_dict())
   return dino
