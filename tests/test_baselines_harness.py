@@ -18,6 +18,7 @@ import harness_fixtures as hf
 from pcsr_jax import harness, methods, source_stats
 from pcsr_jax.data import streams
 from pcsr_jax.errors import UserError
+from tiny import required_args
 
 CORR = ("gaussian_noise", "fog")
 # Every baseline whose step is a method file (source, tent, sar, pcsr are tested elsewhere): part 1, and part 2
@@ -101,7 +102,7 @@ def test_state_resumes_bit_identically_from_the_host_copy(world, name):
   from pcsr_jax.engine import Adapter
 
   model, params, meta = checkpoint.load(str(world / "ckpt"))
-  method = methods.get(name)
+  method = methods.get(name, **required_args(name, model, params))
   stats = None
   if method.uses_source_data():
     data = source_stats.open_source_data(str(world / "data" / "fog" / "5"), meta)

@@ -13,7 +13,7 @@ import pytest
 
 from pcsr_jax import engine, methods
 from test_methods import run
-from tiny import TINY, batches, tiny_model
+from tiny import TINY, batches, required_args, tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -110,7 +110,7 @@ def _adapter(name: str, model, params, **kw) -> engine.Adapter:
   """An Adapter for ``name``; a method that needs source statistics (CFA, FOA) gets them from 3 tiny batches."""
   from pcsr_jax.methods.base import split
 
-  method, stats = methods.get(name), None
+  method, stats = methods.get(name, **required_args(name, model, params)), None
   if method.uses_source_data():
     prep = method.prepare(model, params, jax.random.key(0), 8)
     frozen, trainable = split(prep.params, prep.is_trainable)

@@ -349,6 +349,15 @@ class DePTG(Method):
     return (norm(augment.dept_weak(kw, x01, resize)), norm(augment.dept_strong(kt, x01, self.crop_scale)),
             norm(augment.dept_strong(ks, x01, self.crop_scale)))
 
+  def pseudo_labels(self, prep: Prepared, frozen: Any, state: AdaptState, weak: Array) -> tuple[Array, Array]:
+    """``(labels [B], use_knn)``: the student's weak-view argmax until the bank holds ``warmup`` entries (and
+    at least ``num_neighbors``), then the argmax of the mean bank probabilities of the nearest entries."""
+    ex: DePTState = state.extra
+    feats_w, logits_w = feature_logits(prep, merge(frozen, state.trainable), weak)
+    use_knn = ex.bank_filled >= max(self.warmup, self.num_neighbors)
+    refined = knn_probs(feats_w, ex.bank_feats, ex.bank_probs, ex.bank_filled, self.num_neighbors)
+    return jnp.where(use_knn, jnp.argmax(refined, axis=1), jnp.argmax(logits_w, axis=1)), use_knn
+
   def adapt(self, prep: Prepared, frozen: Any, state: AdaptState, images: Array, valid: Array,
             views: tuple[Array, Array, Array]) -> tuple[AdaptState, Array, dict[str, Array]]:
     """One iteration on given normalised views ``(weak, strong_teacher, strong_student)`` (tests pass fixed ones)."""
@@ -358,10 +367,7 @@ class DePTG(Method):
     w = valid.astype(jnp.float32)
     weights = stage_weights(prep.model.prompt.stages, self.tau)
 
-    feats_w, logits_w = feature_logits(prep, merge(frozen, state.trainable), weak)
-    use_knn = ex.bank_filled >= max(self.warmup, self.num_neighbors)
-    refined = knn_probs(feats_w, ex.bank_feats, ex.bank_probs, ex.bank_filled, self.num_neighbors)
-    labels = jnp.where(use_knn, jnp.argmax(refined, axis=1), jnp.argmax(logits_w, axis=1))
+    labels, use_knn = self.pseudo_labels(prep, frozen, state, weak)
 
     teacher = jax.tree.map(lambda t, s: t * self.ema + s * (1.0 - self.ema), ex.teacher, state.trainable)
     _, _, t_cls, t_prompt = student_outputs(prep, merge(frozen, teacher), strong_t)
