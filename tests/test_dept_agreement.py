@@ -202,3 +202,67 @@ def test_dept_g_agrees_with_the_reference_on_a_stream_where_the_bank_wraps(tmp_p
   assert knn == [0, 0, 1, 1, 1, 1] and relabelled > 0 and ref.banks["wraps"] == 2
   assert all(0 < c for c in clipped)
   assert excess <= 0 and t_excess <= 0, (excess, t_excess)
+
+
+@pytest.mark.slow
+def test_source_stage_loss_and_first_update_match_the_reference():
+  """``experiments/train_prompts.py``'s first step (frozen backbone, no warm-up so that the step moves the
+  params, epoch 1: teacher temperature 0.055) against ``source.py``'s loss on the same batch, views, student and
+  (separately initialised) teacher: every loss term within 1e-5 relative, the DINO centre, the teacher's EMA and
+  the student's SGD update within the bound of `float_checks.compare_updates`."""
+  import jax
+  import torch
+
+  import float_checks
+  from benchmarks.torch_methods import dept_g
+  from pcsr_jax import augment, timm_parity, weights
+  from pcsr_jax.experiments.train_prompts import Settings, Trainer
+  from pcsr_jax.models import create, prompted
+
+  cfg = tiny_cfg()
+  _, sd = timm_parity.random_model(cfg, seed=2)
+  params = weights.timm_to_flax(sd, cfg)
+  prompt = prompted.PromptConfig(stages=4, prompts=2, dino_layers=2, dino_hidden=HEADS["hidden_dim"],
+                                 dino_bottleneck=HEADS["bottleneck_dim"], dino_out=HEADS["out_dim"])
+  lr, b, epoch, mean = 0.01, 6, 1, (0.5, 0.5, 0.5)
+  tr = Trainer(create(cfg), params, prompt, finetune=False, lr=lr, warmup=0, total=10, seed=0, epochs=5,
+               mean=mean, std=mean)
+  s0 = tr.host_state()
+  rng = np.random.default_rng(3)
+  x = rng.standard_normal((b, 32, 32, 3)).astype(np.float32)
+  labels = rng.integers(0, cfg.num_classes, b)
+  # The trainer's views of step 0, drawn as it draws them (its keys), for the reference.
+  k1, k2 = jax.random.split(jax.random.fold_in(tr.data_key, 0))
+  x01 = augment.denormalize(x, mean, mean)
+  views = [np.asarray(augment.normalize(augment.dept_strong(k, x01, Settings.crop_scale), mean, mean))
+           for k in (k1, k2)]
+  metrics = tr.step(x, labels.astype(np.int32), np.ones(b, bool), epoch)
+
+  as_teacher = lambda st: {k.replace("student", "teacher", 1): v for k, v in st.items()}
+  dino = dept_g.build(timm_parity.timm_model(cfg, sd), prompt.stages, prompt.prompts, **HEADS,
+                      state=torch_state(s0["student"]), teacher_state=as_teacher(torch_state(s0["teacher"])))
+  dino.train()
+  loss_fn = dept_g.source_dino_loss(HEADS["out_dim"], prompt.stages, epochs=5)
+  opt = dept_g.source_optimizer(dino, lr)
+  nchw = lambda a: torch.from_numpy(np.ascontiguousarray(a.transpose(0, 3, 1, 2)))
+  out = dept_g.source_loss(dino, loss_fn, [nchw(v) for v in views], torch.from_numpy(labels), epoch=epoch)
+  opt.zero_grad()
+  out["total"].backward()
+  opt.step()
+  diffs = {}
+  for jk, tk in (("loss", "total"), ("ce", "ce"), ("dino_cls", "dino_cls"), ("prompt", "dino_prompt"),
+                 ("prompt_div", "prompt_div")):
+    j, t = float(metrics[jk]), float(out[tk].detach())
+    diffs[jk] = abs(j - t) / abs(t)
+    np.testing.assert_allclose(j, t, rtol=1e-5, atol=1e-7, err_msg=jk)
+  np.testing.assert_allclose(np.asarray(tr.state["center"]), loss_fn.center.numpy()[0], rtol=1e-5, atol=1e-7)
+  trained = {k: v.detach().numpy() for k, v in dino.named_parameters() if v.requires_grad}
+  rel, rel_update, excess = float_checks.compare_updates(torch_state(tr.student_params()),
+                                                         torch_state(s0["student"]), trained)
+  teacher = {k.replace("teacher", "student", 1): v.detach().numpy() for k, v in dino.named_parameters()
+             if k.replace("teacher", "student", 1) in trained and k.startswith("teacher")}
+  t_rel, _, t_excess = float_checks.compare_updates(torch_state(jax.device_get(tr.state["teacher"])),
+                                                    torch_state(s0["teacher"]), teacher)
+  print(f"dept-g source stage: loss terms {dict(zip(diffs, (f'{d:.1e}' for d in diffs.values())))} rel diff; "
+        f"student params {rel:.2e}, updates {rel_update:.2e}; teacher params {t_rel:.2e}")
+  assert excess <= 0 and t_excess <= 0, (excess, t_excess)

@@ -25,7 +25,9 @@ From the official files:
   (``get_prompt_params``), then the teacher's weak-view outputs written into the bank.
 * `source_loss` is ``source.py``'s ``train_epoch`` loss on one batch: the EMA, the DePTDino forward on the two
   strong views, label-smoothed CE (0.1) + 0.1 DINO-CLS + 0.1 prompt consistency + 0.005 prompt diversity, the
-  teacher temperature 0.04 -> 0.07 over 3 of 5 epochs (the ImageNet script).
+  teacher temperature 0.04 -> 0.07 over 3 of 5 epochs (the ImageNet script); `source_optimizer` is its
+  optimizer (no gradient clipping in the source stage); the teacher there is a second model with its own
+  random prompts and heads (`build`'s ``teacher_state``).
 
 Departures (the code is incomplete or offline; the online choices are `pcsr_jax.methods.dept`'s):
 
@@ -299,6 +301,24 @@ def source_loss(dino: DePTDino, loss_fn: DINOLoss, views: Sequence[torch.Tensor]
   dino_cls, dino_prompt, prompt_div = loss_fn(s_cls, t_cls, s_prompt, t_prompt, epoch=epoch)
   total = alpha * ce + beta * dino_cls + beta2 * dino_prompt + lam * prompt_div
   return dict(total=total, ce=ce, dino_cls=dino_cls, dino_prompt=dino_prompt, prompt_div=prompt_div)
+
+
+def source_optimizer(dino: DePTDino, lr: float = 5e-4, finetune_backbone: bool = False, momentum: float = 0.9,
+                     weight_decay: float = 1e-4) -> torch.optim.SGD:
+  """``get_source_optimizer`` with ``tune_type='full'`` (the scripts'): SGD Nesterov, the backbone at ``lr``, the
+  prompts, head and student DINO heads at 10 x ``lr``. Without ``finetune_backbone`` the backbone is frozen and
+  its group empty (the prompts keep the 10x, as ``experiments/train_prompts.py``; the official
+  ``tune_type='prompt'`` would give them 1x, and its scripts never run it)."""
+  st = dino.student
+  st.requires_grad_(finetune_backbone)
+  st.prompt_list.requires_grad_(True)
+  st.head.requires_grad_(True)
+  extra = list(st.prompt_list) + list(st.head.parameters()) + [
+      p for p in dino.student_dinohead.parameters() if p.requires_grad]
+  ids = {id(p) for p in extra}
+  backbone = [p for p in st.parameters() if p.requires_grad and id(p) not in ids]
+  group = dict(momentum=momentum, weight_decay=weight_decay, nesterov=True)
+  return torch.optim.SGD([dict(params=backbone, lr=lr, **group), dict(params=extra, lr=lr * 10, **group)])
 
 
 def source_dino_loss(out_dim: int, stage_num: int, epochs: int = 5) -> DINOLoss:
