@@ -45,6 +45,9 @@ SPA_NOISE_PATCH = 8
 # ImageNet value); with 10 classes the max probability is never below 1/10, so it could never fire. Its own
 # 10-class value is the official CIFAR-10 config's 0.92.
 COTTA_AP = 0.92
+# DePT-G's prompts, head and DINO heads trained on Fashion-MNIST train for the committed ViT (its source stage;
+# the command and the SHA-256 of the checkpoint's params are in the folder's record.json).
+DEPT_PROMPTS = os.path.join(ROOT, "assets", "fmnist_vit_dept")
 METHOD_ARGS: dict[str, dict] = {
     **SWEPT,
     "sar": {**SWEPT["sar"], "reset_constant": RESET_CONSTANT},
@@ -53,6 +56,7 @@ METHOD_ARGS: dict[str, dict] = {
     "eata": {"d_margin": D_MARGIN},
     "spa": {"noise_patch": SPA_NOISE_PATCH},
     "cotta": {"ap": COTTA_AP},
+    "dept-g": {"prompts": DEPT_PROMPTS},
 }
 METHODS = ("source", "tent", "sar", "pcsr", "pcsr-frozen")  # the default run: under 5 minutes on 2 cores
 

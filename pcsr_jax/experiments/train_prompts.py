@@ -28,10 +28,10 @@ crops the full-size JPEG) and resampled bilinearly (the official: bicubic). The 
 heads start from their own random init, as the official builds the teacher as a second model; the last ragged
 batch of an epoch is dropped (one compiled shape). ``--steps`` caps the run (the schedule is then that long).
 
-Cost at the official settings (estimate, not measured): per image 2 forwards + 1 backward of a ViT-B/16 with
-50 extra tokens (about 3 x 20 GFLOP = 60 GFLOP with the frozen backbone's backward through the activations),
-5 epochs of 1.28M images: about 4e17 FLOP, roughly 10-20 GPU-hours on one H100/H200 at 30-50% of its bf16 peak in
-float32-heavy code, and about 3x that in float32. Deterministic under ``--seed`` (init, epoch orders and views),
+Cost at the official settings (estimate, not measured): about 44 GFLOP per ViT-B/16 forward with 50 prompt
+tokens, 3-4 forward-equivalents per image (teacher and student forwards, the student's backward), 5 epochs of
+1.28M images: about 1e18 FLOP, a few hours of one H200 at TF32 rates if the input pipeline keeps up with 6.4M
+JPEG decodes. Deterministic under ``--seed`` (init, epoch orders and views),
 resumable bit for bit from the state saved every ``--checkpoint-every`` steps (``DIR/resume``).
 """
 
@@ -161,9 +161,7 @@ class Trainer:
     frozen = self.frozen
 
     def outputs(params, x):
-      feature, logits, outs = pm.apply({"params": params}, x, outputs=True)
-      cls, prompt_out = pm.apply({"params": params}, feature, outs, method="dino_outputs")
-      return logits, cls, prompt_out.swapaxes(0, 1)
+      return dept.dino_forward(pm, params, x)[1:]
 
     def step(frozen, state, images, labels, valid, temp):
       from pcsr_jax import augment
@@ -173,15 +171,15 @@ class Trainer:
       view = lambda k: augment.normalize(augment.dept_strong(k, x01, s.crop_scale), self.mean, self.std)
       w = valid.astype(jnp.float32)
       teacher = jax.tree.map(lambda t, p: t * s.ema + p * (1.0 - s.ema), state["teacher"], state["student"])
-      _, t_cls, t_prompt = outputs(merge(frozen, teacher), view(k1))
+      _, t_cls, t_prompt, _ = outputs(merge(frozen, teacher), view(k1))
 
       def loss_fn(student):
-        logits, s_cls, s_prompt = outputs(merge(frozen, student), view(k2))
+        logits, s_cls, s_prompt, s_dist = outputs(merge(frozen, student), view(k2))
         target = jax.nn.one_hot(labels, num_classes) * (1 - s.label_smoothing) + s.label_smoothing / num_classes
         ce = dept.masked_mean(-jnp.sum(target * jax.nn.log_softmax(logits), axis=-1), w)
         dino = dept.dino_cls_loss(s_cls, t_cls, state["center"], temp, s.student_temp, w)
         cons = dept.prompt_consistency(s_prompt, t_prompt, weights, w)
-        div = dept.prompt_diversity(s_prompt, weights, w)
+        div = dept.prompt_diversity(s_dist, weights, w)
         acc = dept.masked_mean((jnp.argmax(logits, -1) == labels).astype(jnp.float32), w)
         return ce + s.beta * dino + s.beta2 * cons + s.lam * div, dict(ce=ce, dino_cls=dino, prompt=cons,
                                                                         prompt_div=div, accuracy=acc)

@@ -191,14 +191,19 @@ def prompt_consistency(student: Array, teacher: Array, weights: np.ndarray, w: A
   return sum(weights[s] * masked_mean(1.0 - cos[:, s], w) for s in range(student.shape[1]))
 
 
-def prompt_diversity(student: Array, weights: np.ndarray, w: Array) -> Array:
-  """Stage-weighted ``prompt_diversity_loss``: minus the mean cosine distance between a sample's prompt outputs
-  (``[B, S, P, out]``; the diagonal zeroed and counted in the mean), mean over the valid rows."""
-  u = _unit(student)
+def prompt_distances(prompt_out: Array) -> Array:
+  """``cos_distance(prompt, prompt)`` with the diagonal zeroed, averaged over each sample's ``P x P`` pairs:
+  ``[B, S, P, out]`` -> ``[B, S]``. Per row, so it is computed inside the row passes (`student_outputs`)."""
+  u = _unit(prompt_out)
   dist = 1.0 - jnp.einsum("bspd,bsqd->bspq", u, u)
-  p = student.shape[2]
-  dist = dist * (1.0 - jnp.eye(p))
-  return sum(weights[s] * -masked_mean(dist[:, s], w) for s in range(student.shape[1]))
+  p = prompt_out.shape[2]
+  return jnp.mean(dist * (1.0 - jnp.eye(p)), axis=(2, 3))
+
+
+def prompt_diversity(distances: Array, weights: np.ndarray, w: Array) -> Array:
+  """Stage-weighted ``prompt_diversity_loss``: minus the mean of `prompt_distances` ``[B, S]`` over the valid
+  rows (every row has the same ``P x P`` pairs, so this is the official mean over the batch's pairs)."""
+  return sum(weights[s] * -masked_mean(distances[:, s], w) for s in range(distances.shape[1]))
 
 
 def clip_per_tensor(grads: Params, clip: float, include: Callable[[tuple[str, ...]], bool]) -> Params:
@@ -219,17 +224,19 @@ def is_student_vit(path: tuple[str, ...]) -> bool:
   return not path[0].startswith("dino_")
 
 
-def student_outputs(prep: Prepared, params: Params, images: Array) -> tuple[Array, Array, Array, Array]:
-  """``(feature [B, D], logits, DINO-CLS [B, out], DINO prompt outputs [B, S, P, out])`` of one forward (in
-  row passes)."""
-  model = prep.model
+def student_outputs(prep: Prepared, params: Params, images: Array
+                    ) -> tuple[Array, Array, Array, Array, Array]:
+  """``(feature [B, D], logits, DINO-CLS [B, out], DINO prompt outputs [B, S, P, out], prompt distances [B, S])``
+  of one forward (in row passes)."""
+  return in_row_passes(prep, lambda x: dino_forward(prep.model, params, x), images)
 
-  def fn(x):
-    feature, logits, outs = model.apply({"params": params}, x, outputs=True)
-    cls, prompt = model.apply({"params": params}, feature, outs, method="dino_outputs")
-    return feature, logits, cls, prompt.swapaxes(0, 1)
 
-  return in_row_passes(prep, fn, images)
+def dino_forward(model: prompted.PromptedViT, params: Params, x: Array) -> tuple[Array, Array, Array, Array, Array]:
+  """`student_outputs` of one pass: the prompted model, its DINO heads and the per-row prompt distances."""
+  feature, logits, outs = model.apply({"params": params}, x, outputs=True)
+  cls, prompt = model.apply({"params": params}, feature, outs, method="dino_outputs")
+  prompt = prompt.swapaxes(0, 1)
+  return feature, logits, cls, prompt, prompt_distances(prompt)
 
 
 def feature_logits(prep: Prepared, params: Params, images: Array) -> tuple[Array, Array]:
@@ -370,17 +377,17 @@ class DePTG(Method):
     labels, use_knn = self.pseudo_labels(prep, frozen, state, weak)
 
     teacher = jax.tree.map(lambda t, s: t * self.ema + s * (1.0 - self.ema), ex.teacher, state.trainable)
-    _, _, t_cls, t_prompt = student_outputs(prep, merge(frozen, teacher), strong_t)
+    _, _, t_cls, t_prompt, _ = student_outputs(prep, merge(frozen, teacher), strong_t)
 
     def loss_fn(trainable):
-      _, logits, s_cls, s_prompt = student_outputs(prep, merge(frozen, trainable), strong_s)
+      _, logits, s_cls, s_prompt, s_dist = student_outputs(prep, merge(frozen, trainable), strong_s)
       log_p = jax.nn.log_softmax(logits, axis=1)
       loss_cls = masked_mean(-jnp.take_along_axis(log_p, labels[:, None], axis=1)[:, 0], w)
       loss_dino = dino_cls_loss(s_cls, t_cls, ex.center, self.teacher_temp, self.student_temp, w)
       loss_prompt = prompt_consistency(s_prompt, t_prompt, weights, w)
       p_mean = jnp.sum(jnp.exp(log_p) * w[:, None], axis=0) / jnp.maximum(jnp.sum(w), 1.0)
       loss_div = jnp.sum(p_mean * jnp.log(p_mean + 1e-8))
-      loss_pdiv = prompt_diversity(s_prompt, weights, w)
+      loss_pdiv = prompt_diversity(s_dist, weights, w)
       loss = (self.alpha * loss_cls + self.beta * loss_dino + self.beta2 * loss_prompt + self.eta * loss_div
               + self.lam * loss_pdiv)
       return loss, (logits, loss_cls, loss_dino, loss_prompt, loss_div, loss_pdiv)
