@@ -44,11 +44,10 @@ Departures (the code is incomplete or offline; the online choices are `pcsr_jax.
   holds ``warmup`` (1,024) entries, and at least ``num_neighbors``, the pseudo-labels are the argmax of the
   student's weak-view probabilities (AdaContrast's online form), then kNN over the filled entries; one
   iteration per batch (``steps``; the config's ``iters_per_batch`` is read by nothing), each with its own views
-  and bank write; the prediction is the student's on the unaugmented batch after the update (``predict``:
-  'student-after'); the head and the DINO heads adapt; the VisDA-C script's loss weights; a constant learning
-  rate (the official's cosine runs over a known number of epochs); the teacher temperature 0.07 from the first
-  step (the target script's). The student's weak-view forward runs without a graph (the official keeps one it
-  never uses).
+  and bank write; the prediction is the student's on the unaugmented batch after the update; the head and the
+  DINO heads adapt; the VisDA-C script's loss weights; a constant learning rate (the official's cosine runs over
+  a known number of epochs); the teacher temperature 0.07 from the first step (the target script's). The
+  student's weak-view forward runs without a graph (the official keeps one it never uses).
 * Views come from ``view_source`` when given (an iterator of ``(weak, strong_teacher, strong_student)``
   normalised NCHW tensors, one per iteration), else they are drawn with torchvision as ``DataAugmentationDINO``
   at the input size (weak: resize to size * 256 / 224, random crop, flip; strong: random resized crop (0.2, 1)
@@ -328,7 +327,7 @@ def source_dino_loss(out_dim: int, stage_num: int, epochs: int = 5) -> DINOLoss:
 
 
 class Reference:
-  """``step(x)``: ``steps`` DePT test-time iterations on the batch, then the prediction ``predict`` names."""
+  """``step(x)``: ``steps`` DePT test-time iterations on the batch, then the student's prediction of ``x``."""
 
   def __init__(self, model: nn.Module, batch_size: int, stage_num: int = 4, prompt_num: int = 50,
                state: Optional[Mapping[str, np.ndarray]] = None, out_dim: int = 2048, hidden_dim: int = 2048,
@@ -337,10 +336,8 @@ class Reference:
                student_temp: float = 0.1, num_neighbors: int = 10, queue_size: int = 16384,
                warmup: int = 1024, alpha: float = 1.0, beta: float = 0.1, beta2: float = 0.1,
                eta: float = 1.0, lam: float = 0.05, clip_grad: float = 1.0, steps: int = 1,
-               predict: str = "student-after", mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5),
+               mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5),
                view_source: Optional[Iterator[tuple[torch.Tensor, ...]]] = None):
-    if predict not in ("student-after", "teacher-after", "student-before"):
-      raise ValueError(f"predict {predict!r}")
     self.dino = build(model, stage_num, prompt_num, ema, out_dim, hidden_dim, bottleneck_dim, nlayer_head, state)
     self.dino.train()
     self.loss_fn = DINOLoss(out_dim, stage_num, teacher_temp, student_temp, prompt_div=True,
@@ -349,7 +346,7 @@ class Reference:
     group = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=True)
     self.optimizer = torch.optim.SGD([dict(params=prompts, **group), dict(params=extra, **group)])
     self.weights = dict(alpha=alpha, beta=beta, beta2=beta2, eta=eta, lam=lam)
-    self.clip_grad, self.steps, self.predict = clip_grad, steps, predict
+    self.clip_grad, self.steps = clip_grad, steps
     self.num_neighbors, self.queue_size = num_neighbors, queue_size
     self.warmup = warmup
     dev, dim = self.dino.student.cls_token.device, self.dino.student.output_dim
@@ -425,16 +422,10 @@ class Reference:
     return {k: float(v.detach()) for k, v in terms.items()}
 
   def step(self, x: torch.Tensor) -> torch.Tensor:
-    before = None
-    if self.predict == "student-before":
-      with torch.no_grad():
-        before = self.dino.student(x)
     for _ in range(self.steps):
       self.last_losses = self.iteration(x)
-    if before is not None:
-      return before
     with torch.no_grad():
-      return (self.dino.teacher if self.predict == "teacher-after" else self.dino.student)(x)
+      return self.dino.student(x)
 
   def adapted_state(self) -> dict[str, np.ndarray]:
     """The student's trainable params (``DePTDino`` names) as numpy."""
