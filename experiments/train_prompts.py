@@ -5,7 +5,7 @@ The code lives in `pcsr_jax/experiments/train_prompts.py`; this file is its comm
 
 import sys
 
-from pcsr_jax.errors import run_cli
+from pcsr_jax.cli import run_cli
 from pcsr_jax.experiments.train_prompts import main
 
 if __name__ == "__main__":
