@@ -7,6 +7,7 @@ folder, so the rename stays on one filesystem) and renamed over it only once com
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 from typing import Any, Iterator, Optional
@@ -31,3 +32,12 @@ def write_json(path: str, obj: Any, indent: Optional[int] = None) -> None:
   """``obj`` as JSON at ``path``, atomically."""
   with atomic_path(path) as tmp, open(tmp, "w") as f:
     json.dump(obj, f, indent=indent)
+
+
+def sha256(path: str) -> str:
+  """The SHA-256 of a file's bytes (read in 1 MiB chunks): what a cache entry or an asset's record checks."""
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+      h.update(chunk)
+  return h.hexdigest()

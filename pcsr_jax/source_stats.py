@@ -154,13 +154,6 @@ def key(desc: dict) -> str:
   return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _file_sha(path: str) -> str:
-  h = hashlib.sha256()
-  with open(path, "rb") as f:
-    for chunk in iter(lambda: f.read(1 << 20), b""):
-      h.update(chunk)
-  return h.hexdigest()
-
 
 def cache_dir_for(checkpoint_dir: str, fallback: str) -> str:
   """``<checkpoint>.source_stats`` if it can be written, else ``<fallback>/source_stats``."""
@@ -205,7 +198,7 @@ def load_cached(path: str, desc: dict, shapes: Optional[Mapping[str, jax.ShapeDt
     return None, None, f"{meta_path} is not a statistics description"
   if meta.get("describe") != json.loads(json.dumps(desc)):
     return None, None, "computed from another checkpoint, data or version"
-  if meta.get("sha256") != _file_sha(npz):
+  if meta.get("sha256") != files.sha256(npz):
     return None, None, f"{npz} does not match its checksum (edited or truncated)"
   try:
     with np.load(npz) as z:
@@ -221,7 +214,7 @@ def load_cached(path: str, desc: dict, shapes: Optional[Mapping[str, jax.ShapeDt
 def _save(path: str, arrays: dict, desc: dict, read: dict) -> None:
   with files.atomic_path(path + ".npz") as tmp:
     np.savez(tmp, **arrays)
-  files.write_json(path + ".json", dict(describe=desc, read=read, sha256=_file_sha(path + ".npz")), indent=1)
+  files.write_json(path + ".json", dict(describe=desc, read=read, sha256=files.sha256(path + ".npz")), indent=1)
 
 
 SKIPPED_NAMED = 5  # how many unreadable source images the logs and records name

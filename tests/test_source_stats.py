@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import tiny
-from pcsr_jax import source_stats
+from pcsr_jax import files, source_stats
 from pcsr_jax.data import transforms
 from pcsr_jax.data.fmnist_c import ArraySource
 from pcsr_jax.errors import UserError
@@ -218,7 +218,7 @@ def test_cache_with_forged_shapes_is_rebuilt(tmp_path):
     with open(path + ".json") as f:
       meta = json.load(f)
     np.savez(path + ".npz", **forged)  # a consistent forgery: the checksum updated too
-    meta["sha256"] = source_stats._file_sha(path + ".npz")
+    meta["sha256"] = files.sha256(path + ".npz")
     with open(path + ".json", "w") as f:
       json.dump(meta, f)
     lines, calls = [], len(MeanLogits.calls)

@@ -127,12 +127,6 @@ class AdaContrast(Method):
   mean: tuple[float, ...] = field((0.5, 0.5, 0.5), size=3)
   std: tuple[float, ...] = field((0.5, 0.5, 0.5), "> 0", size=3)
 
-  def __post_init__(self):
-    super().__post_init__()
-    if self.queue_size < self.num_neighbors:
-      raise UserError(f"adacontrast queue_size: expected at least num_neighbors ({self.num_neighbors}), "
-                      f"got {self.queue_size}")
-
   def prepare(self, model, params, rng, batch_size):
     if self.queue_size < batch_size:
       raise UserError(f"adacontrast queue_size: expected at least the batch size ({batch_size}), "

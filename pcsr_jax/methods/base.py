@@ -412,8 +412,8 @@ def specs(cls: type) -> tuple[Spec, ...]:
 
 def check_hyperparameters(method: Any) -> None:
   """One-line `UserError` for the first hyperparameter of ``method`` outside what its `field` declares, then for
-  the rules that tie fields together in every method that has them: a ``mean`` and a ``std`` per channel, and
-  Nesterov only with momentum (as ``torch.optim.SGD``)."""
+  the rules that tie fields together in every method that has them: a ``mean`` and a ``std`` per channel, a kNN
+  bank that holds at least ``num_neighbors`` entries, and Nesterov only with momentum (as ``torch.optim.SGD``)."""
   for spec in specs(type(method)):
     value = getattr(method, spec.name)
     if not spec.accepts(value):
@@ -421,6 +421,9 @@ def check_hyperparameters(method: Any) -> None:
   mean, std = getattr(method, "mean", None), getattr(method, "std", None)
   if mean is not None and std is not None and (not mean or len(mean) != len(std)):
     raise UserError(f"{method.name} mean/std: expected one mean and one std per channel, got {mean} and {std}")
+  queue, neighbors = getattr(method, "queue_size", None), getattr(method, "num_neighbors", None)
+  if queue is not None and neighbors is not None and queue < neighbors:  # a kNN bank (AdaContrast, DePT-G)
+    raise UserError(f"{method.name} queue_size: expected at least num_neighbors ({neighbors}), got {queue}")
   if getattr(method, "nesterov", False) and getattr(method, "momentum", None) == 0:
     raise UserError(f"{method.name} nesterov: expected momentum > 0 with Nesterov (as torch.optim.SGD)")
 

@@ -73,7 +73,6 @@ with ``fc0`` .. and ``last_v``, the timm backbone's, ``head``).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 from typing import Any, Callable, ClassVar, Optional
@@ -85,7 +84,7 @@ import numpy as np
 import optax
 from flax import traverse_util
 
-from pcsr_jax import augment
+from pcsr_jax import augment, files
 from pcsr_jax.errors import UserError
 from pcsr_jax.methods.adacontrast import knn_probs, ring_write
 from pcsr_jax.methods.base import AdaptState, Method, Prepared, in_row_passes, field, merge
@@ -108,25 +107,16 @@ def save_prompts(directory: str, params: Params, prompt: prompted.PromptConfig, 
   ``--finetune-backbone``) as ``params.npz`` and ``record.json`` (the prompt config, ``record`` and the npz's
   SHA-256); returns the npz's SHA-256. ``record`` must name ``checkpoint_sha256`` (`source_stats.params_digest`
   of the checkpoint the prompts were trained from)."""
-  from pcsr_jax import files
-
   os.makedirs(directory, exist_ok=True)
   flat = {"/".join(k): np.asarray(v, np.float32) for k, v in traverse_util.flatten_dict(params).items()}
   path = os.path.join(directory, ARRAYS)
   with files.atomic_path(path) as tmp:
     np.savez(tmp, **flat)
-  digest = _file_sha(path)
+  digest = files.sha256(path)
   files.write_json(os.path.join(directory, RECORD),
                    dict(record, format=FORMAT, prompt_config=prompt.to_dict(), params_npz_sha256=digest), indent=1)
   return digest
 
-
-def _file_sha(path: str) -> str:
-  h = hashlib.sha256()
-  with open(path, "rb") as f:
-    for chunk in iter(lambda: f.read(1 << 20), b""):
-      h.update(chunk)
-  return h.hexdigest()
 
 
 def read_record(directory: Optional[str]) -> dict:
@@ -152,7 +142,7 @@ def load_prompts(directory: Optional[str]) -> tuple[prompted.PromptConfig, Param
   """``(prompt config, params, record)`` of a folder written by `save_prompts`; its npz checked by SHA-256."""
   record = read_record(directory)
   path = os.path.join(directory, ARRAYS)
-  if _file_sha(path) != record.get("params_npz_sha256"):
+  if files.sha256(path) != record.get("params_npz_sha256"):
     raise UserError(f"dept-g prompts {path}: its SHA-256 is not the one {RECORD} records (changed or damaged); "
                     f"train them again")
   with np.load(path) as z:
@@ -302,9 +292,6 @@ class DePTG(Method):
 
   def __post_init__(self):
     super().__post_init__()
-    if self.queue_size < self.num_neighbors:
-      raise UserError(f"dept-g queue_size: expected at least num_neighbors ({self.num_neighbors}), "
-                      f"got {self.queue_size}")
     if self.crop_scale[0] > self.crop_scale[1]:
       raise UserError(f"dept-g crop_scale: expected (low, high) with low <= high, got {self.crop_scale}")
 
