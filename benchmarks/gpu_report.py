@@ -90,7 +90,7 @@ def worker_torch(a) -> None:
     method, dtype = job.split(":")
     emit("START", job)
     try:
-      r = st.time_torch(method, copy.deepcopy(base), x, steps=a.steps, warmup=a.warmup, dtype=dtype,
+      r = st.time_torch(method, copy.deepcopy(base), x, arch=a.arch, steps=a.steps, warmup=a.warmup, dtype=dtype,
                         max_s=a.max_job_s)
       emit("RESULT", dict(job=job, **r))
     except Exception as e:  # noqa: BLE001 -- one method's failure is reported, the others go on
@@ -107,6 +107,7 @@ def worker_jax(a) -> None:
   import jax
   import numpy as np
 
+  from benchmarks import method_args
   from benchmarks import step_throughput as st
   from pcsr_jax import engine, methods
   from pcsr_jax.models.vit import compute_dtype
@@ -127,7 +128,7 @@ def worker_jax(a) -> None:
     t0 = time.perf_counter()
     with precision(dtype):  # thread-local config: set in the thread that lowers
       model = model0.clone(dtype=compute_dtype(dtype), attention=attention)
-      method = methods.get(method_name)
+      method = methods.get(method_name, **method_args.jax_args(method_name, model, params))
       stats = None
       if method.uses_source_data():  # statistics of random "source" batches: the step's cost does not depend on them
         from pcsr_jax.methods.base import split

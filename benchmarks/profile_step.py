@@ -203,7 +203,7 @@ def profile_jax(a) -> dict:
   # It analyses one device's program (SPMD: every device runs a copy on its share of the batch): times devices.
   flops = 0.0 if re.search(r"\swhile\(", hlo) else (
       float(compiled.cost_analysis().get("flops", 0.0)) * len(jax.devices()))
-  prompts = getattr(ad.method, "num_prompts", 0) or 0
+  prompts = getattr(ad.method, "num_prompts", 0) or getattr(getattr(ad.prep.model, "prompt", None), "prompts", 0)
   kinds = classify_hlo(hlo, model.config.num_patches + 1 + prompts)
   op_work = flops_hlo(hlo)
   m = compiled.memory_analysis()  # the compiled program of one device (SPMD: each device runs its own copy)
@@ -242,7 +242,7 @@ def profile_torch(a) -> dict:
   from torch.profiler import ProfilerActivity, profile
 
   model, x = st.torch_inputs(a.arch, a.batch_size)
-  step, sync = st.torch_step(a.method, model, x)
+  step, sync = st.torch_step(a.method, model, x, arch=a.arch)
   for _ in range(1 + a.warmup):
     step()
   sync()

@@ -15,6 +15,8 @@ peak memory: device peak on a GPU, the process's peak RSS on the CPU.
 first, and keeps each framework's fastest round: on a shared CPU one run's
 figures can move by 10-30% (a slow spell of the machine), and the spell then
 lands on one round, not on one framework's only figure.
+A method that cannot run without arguments gets them from `benchmarks.method_args`, the same on both sides
+(DePT-G: freshly initialised prompts and DINO heads of the official size; only the shapes matter to speed).
 ``--cpu-devices N`` splits the CPU into N JAX devices sharing the batch (one per
 core is XLA:CPU's fastest setting; PyTorch uses all cores' threads either way).
 ``PCSR_JAX_MALLOC=hugepages`` or ``reuse`` restarts the command under those glibc settings (`pcsr_jax.malloc`,
@@ -140,15 +142,17 @@ def jax_inputs(arch: str, batch_size: int, checkpoint: str | None = None):
 def jax_step(method_name: str, model, params, x, *, dtype: str = "float32", attention: str = "matmul",
              row_chunk: int | None = None):
   """``(step, sync, adapter, placed, box)``: one engine step of ``method_name`` on the batch ``x`` kept on the
-  device; ``step()`` advances ``box['state']`` and sets ``box['logits']``, ``sync()`` waits for them."""
+  device; ``step()`` advances ``box['state']`` and sets ``box['logits']``, ``sync()`` waits for them. A method
+  that needs arguments to run at all gets `method_args.jax_args` (DePT-G: fresh prompts of the official size)."""
   import jax
   import numpy as np
 
+  from benchmarks import method_args
   from pcsr_jax import engine, methods
   from pcsr_jax.models.vit import compute_dtype
 
   model = model.clone(dtype=compute_dtype(dtype), attention=attention)
-  method = methods.get(method_name)
+  method = methods.get(method_name, **method_args.jax_args(method_name, model, params))
   b = x.shape[0]
   stats = None
   if method.uses_source_data():  # statistics of random "source" batches: the step's cost does not depend on them
@@ -214,13 +218,15 @@ def torch_inputs(arch: str, batch_size: int, state_dict=None):
   return model, torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2))).to(dev)
 
 
-def torch_step(method_name: str, model, x, *, dtype: str = "float32"):
+def torch_step(method_name: str, model, x, *, arch: str, dtype: str = "float32"):
   """``(step, sync)``: one step of the PyTorch reference of ``method_name`` on ``x`` (eager; ``dtype='bfloat16'``:
-  the whole step under autocast). ``model`` is adapted in place: pass a fresh copy per call."""
+  the whole step under autocast). ``model`` is adapted in place: pass a fresh copy per call. ``arch``: its
+  architecture, for `method_args.torch_args` (DePT-G: the JAX side's fresh prompts and heads)."""
   import contextlib
 
   import torch
 
+  from benchmarks import method_args
   from benchmarks.torch_reference import make_reference
   from pcsr_jax import methods
 
@@ -231,7 +237,7 @@ def torch_step(method_name: str, model, x, *, dtype: str = "float32"):
   method = methods.get(method_name)
   labels = torch.arange(x.shape[0], device=x.device) % model.head.out_features
   kw = {"source_batches": [(x, labels) if method.source_labels else x] * 2} if method.uses_source_data() else {}
-  ref = make_reference(method_name, model, x.shape[0], **kw)
+  ref = make_reference(method_name, model, x.shape[0], **kw, **method_args.torch_args(method_name, arch))
   autocast = (torch.autocast("cuda" if x.is_cuda else "cpu", dtype=torch.bfloat16) if dtype == "bfloat16"
               else contextlib.nullcontext())
 
@@ -242,13 +248,13 @@ def torch_step(method_name: str, model, x, *, dtype: str = "float32"):
   return step, torch.cuda.synchronize if x.is_cuda else (lambda: None)
 
 
-def time_torch(method_name: str, model, x, *, steps: int, warmup: int, dtype: str = "float32",
+def time_torch(method_name: str, model, x, *, arch: str, steps: int, warmup: int, dtype: str = "float32",
                max_s: float | None = None) -> dict:
   """Images/s of the PyTorch reference's step (`torch_step`); ``max_s`` as in `_time`."""
   import torch
 
   cuda = x.is_cuda
-  step, sync = torch_step(method_name, model, x, dtype=dtype)
+  step, sync = torch_step(method_name, model, x, arch=arch, dtype=dtype)
   if cuda:
     torch.cuda.reset_peak_memory_stats()
   first_s, dt, n = _time(step, sync, steps, warmup, max_s)
@@ -273,7 +279,7 @@ def run_jax(a) -> dict:
 def run_torch(a) -> dict:
   torch_fp32_matmul(a.fp32_matmul)
   model, x = torch_inputs(a.arch, a.batch_size)
-  return time_torch(a.method, model, x, steps=a.steps, warmup=a.warmup, dtype=a.dtype)
+  return time_torch(a.method, model, x, arch=a.arch, steps=a.steps, warmup=a.warmup, dtype=a.dtype)
 
 
 def _method_names() -> list[str]:

@@ -121,6 +121,46 @@ def test_both_frameworks_time_the_same_weights_on_the_same_images():
   np.testing.assert_allclose(got, want, atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.torch
+def test_dept_g_benchmark_prompts_are_the_official_size_and_the_same_for_both_frameworks():
+  """DePT-G runs only with a prompts folder: the benchmarks write fresh ones of the official size with the
+  checkpoint's head, and the PyTorch reference gets the very same prompts and DINO heads."""
+  from benchmarks import method_args
+  from benchmarks.step_throughput import jax_inputs
+  from benchmarks.torch_methods.dept_g import torch_state
+  from pcsr_jax import source_stats
+  from pcsr_jax.methods import dept
+
+  model, params, _ = jax_inputs("vit_tiny_patch32_224", 2)
+  assert method_args.jax_args("tent", model, params) == {} and method_args.torch_args("tent", "x") == {}
+  prompt, trained, record = dept.load_prompts(method_args.jax_args("dept-g", model, params)["prompts"])
+  assert (prompt.stages, prompt.prompts, prompt.dino_hidden, prompt.dino_bottleneck, prompt.dino_out) == (
+      4, 50, 2048, 256, 2048)
+  assert record["checkpoint_sha256"] == source_stats.params_digest(params)
+  np.testing.assert_array_equal(trained["head"]["kernel"], params["head"]["kernel"])
+  t = method_args.torch_args("dept-g", "vit_tiny_patch32_224")
+  assert (t["stage_num"], t["prompt_num"], t["hidden_dim"], t["bottleneck_dim"], t["out_dim"]) == (
+      4, 50, 2048, 256, 2048)
+  want = torch_state(trained)
+  assert set(want) - set(t["state"]) == {"student.head.weight", "student.head.bias"}  # the model's own head
+  for k, v in t["state"].items():
+    np.testing.assert_array_equal(v, want[k], err_msg=k)
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+def test_step_throughput_times_dept_g_in_both_frameworks(tmp_path):
+  """DePT-G's step, timed with the benchmark's own prompts (60 s on 2 shared CPU cores)."""
+  from benchmarks import step_throughput
+
+  out = tmp_path / "r.json"
+  argv = ["--arch", "vit_tiny_patch32_224", "--batch-size", "2", "--method", "dept-g", "--steps", "1",
+          "--warmup", "0", "--json", str(out)]
+  assert step_throughput.main(argv) == 0
+  results = json.loads(out.read_text())["results"]
+  assert results["jax"]["images_per_s"] > 0 and results["torch"]["images_per_s"] > 0
+
+
 def test_augmix_views_benchmark_times_both_forms_and_rejects_bad_flags(capsys):
   from benchmarks import augmix_views
   from pcsr_jax.errors import UserError

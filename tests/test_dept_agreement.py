@@ -94,20 +94,23 @@ def test_reference_online_stream_ema_bank_and_knn():
   assert all(np.abs(ref.adapted_state()[k] - s0[k]).max() > 0 for k in s0)
 
 
-def torch_state(trainable) -> dict:
-  """`pcsr_jax.methods.dept`'s trainable params (prompts, ``dino_i``, head) under the reference's
-  ``DePTDino`` names (torch Linear weights are the transposed kernels)."""
-  t = lambda a: np.ascontiguousarray(np.asarray(a, np.float32).T)
-  out = {f"student.prompt_list.{i}": np.asarray(p)[None] for i, p in enumerate(trainable["prompts"])}
-  out["student.head.weight"], out["student.head.bias"] = t(trainable["head"]["kernel"]), np.asarray(
-      trainable["head"]["bias"])
-  for i in range(len(trainable["prompts"])):
-    d = trainable[f"dino_{i}"]
-    for j, fc in ((0, "fc0"), (2, "fc1")):
-      out[f"student_dinohead.{i}.mlp.{j}.weight"] = t(d[fc]["kernel"])
-      out[f"student_dinohead.{i}.mlp.{j}.bias"] = np.asarray(d[fc]["bias"])
-    out[f"student_dinohead.{i}.last_layer.weight_v"] = t(d["last_v"])
-  return out
+def test_reference_runs_under_bf16_autocast_with_a_float32_bank():
+  """The benchmarks time the reference under bf16 autocast (`step_throughput.torch_step`): the bank takes the
+  bf16 features and probabilities as float32, as the JAX side keeps it."""
+  import torch
+
+  from benchmarks.torch_reference import make_reference
+  from pcsr_jax import timm_parity
+
+  model, _ = timm_parity.random_model(tiny_cfg())
+  ref = make_reference("dept-g", model, 2, stage_num=4, prompt_num=2, queue_size=4, warmup=2, num_neighbors=1,
+                       **HEADS)
+  x = torch.from_numpy(np.random.default_rng(0).standard_normal((2, 3, 32, 32)).astype(np.float32))
+  for _ in range(2):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+      logits = ref.step(x)
+  assert ref.banks["filled"] == 4 and ref.banks["features"].dtype == torch.float32
+  assert torch.isfinite(logits.float()).all() and ref.banks["features"].abs().sum() > 0
 
 
 def saved_prompts(directory, cfg, params, prompt, seed: int = 1):
@@ -136,6 +139,7 @@ def test_dept_g_agrees_with_the_reference_on_a_stream_where_the_bank_wraps(tmp_p
   import torch
 
   import float_checks
+  from benchmarks.torch_methods.dept_g import torch_state
   from benchmarks.torch_reference import make_reference
   from pcsr_jax import engine, methods, timm_parity, weights
   from pcsr_jax.models import create, prompted
@@ -215,6 +219,7 @@ def test_source_stage_loss_and_first_update_match_the_reference():
 
   import float_checks
   from benchmarks.torch_methods import dept_g
+  from benchmarks.torch_methods.dept_g import torch_state
   from pcsr_jax import augment, timm_parity, weights
   from pcsr_jax.experiments.train_prompts import Settings, Trainer
   from pcsr_jax.models import create, prompted

@@ -263,6 +263,25 @@ def clip_gradients(model: nn.Module, clip: float) -> list[float]:
   return norms
 
 
+def torch_state(trained: Mapping[str, object]) -> dict[str, np.ndarray]:
+  """`pcsr_jax.methods.dept`'s params (``prompts``, ``dino_i``, and ``head`` if given) under ``DePTDino``'s
+  student names, for `build`'s ``state`` (torch Linear weights are the transposed kernels; DINO heads of any
+  ``nlayer_head``: ``fc<j>`` is ``mlp.<2j>``, the GELUs between them)."""
+  t = lambda a: np.ascontiguousarray(np.asarray(a, np.float32).T)
+  out = {f"student.prompt_list.{i}": np.asarray(p)[None] for i, p in enumerate(trained["prompts"])}
+  if "head" in trained:
+    out["student.head.weight"], out["student.head.bias"] = t(trained["head"]["kernel"]), np.asarray(
+        trained["head"]["bias"])
+  for i in range(len(trained["prompts"])):
+    d = trained[f"dino_{i}"]
+    for fc in sorted(k for k in d if k.startswith("fc")):
+      j = 2 * int(fc[2:])
+      out[f"student_dinohead.{i}.mlp.{j}.weight"] = t(d[fc]["kernel"])
+      out[f"student_dinohead.{i}.mlp.{j}.bias"] = np.asarray(d[fc]["bias"])
+    out[f"student_dinohead.{i}.last_layer.weight_v"] = t(d["last_v"])
+  return out
+
+
 def build(model: nn.Module, stage_num: int = 4, prompt_num: int = 50, m: float = 0.99, out_dim: int = 2048,
           hidden_dim: int = 2048, bottleneck_dim: int = 256, nlayer_head: int = 2,
           state: Optional[Mapping[str, np.ndarray]] = None,
@@ -387,11 +406,12 @@ class Reference:
 
   @torch.no_grad()
   def update_bank(self, feats: torch.Tensor, logits: torch.Tensor) -> None:
-    """``update_labels`` on a FIFO ring: rows written at the pointer, modulo the size."""
+    """``update_labels`` on a FIFO ring: rows written at the pointer, modulo the size. The bank stays float32
+    under bf16 autocast (as the JAX side's)."""
     n, k = len(feats), self.queue_size
     idx = torch.arange(self.banks["ptr"], self.banks["ptr"] + n, device=feats.device) % k
-    self.banks["features"][idx] = feats
-    self.banks["probs"][idx] = F.softmax(logits, dim=1)
+    self.banks["features"][idx] = feats.float()
+    self.banks["probs"][idx] = F.softmax(logits.float(), dim=1)
     self.banks["wraps"] += (self.banks["ptr"] + n) // k
     self.banks["ptr"] = (self.banks["ptr"] + n) % k
     self.banks["filled"] = min(self.banks["filled"] + n, k)
