@@ -39,10 +39,10 @@ def jax_args(method: str, model, params) -> dict[str, str]:
   per checkpoint per process); ``{}`` for every other method."""
   if method != "dept-g":
     return {}
-  from pcsr_jax import source_stats
+  from pcsr_jax import checkpoint
   from pcsr_jax.methods import dept
 
-  digest = source_stats.params_digest(params)
+  digest = checkpoint.params_digest(params)
   with _LOCK:
     if digest not in _DIRS:
       directory = tempfile.mkdtemp(prefix="pcsr_bench_prompts_")

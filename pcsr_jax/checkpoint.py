@@ -16,6 +16,7 @@ Usage::
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import logging
 import math
@@ -166,3 +167,16 @@ def load(directory: str) -> tuple[VisionTransformer, dict, dict[str, Any]]:
   params = jax.tree.map(lambda a: np.asarray(a, np.float32), params)
   check_params(params, cfg, directory)
   return create(cfg), params, meta
+
+
+def params_digest(params: Any) -> str:
+  """SHA-256 over a checkpoint's params (names, shapes, float32 bytes): what the resume key, the source
+  statistics' cache and DePT-G's prompts record of the model they were made with."""
+  from flax import traverse_util
+
+  h = hashlib.sha256()
+  for k, v in sorted(traverse_util.flatten_dict(params).items()):
+    a = np.ascontiguousarray(np.asarray(v, np.float32))
+    h.update(f"{'/'.join(k)}:{a.shape}\n".encode())
+    h.update(a.tobytes())
+  return h.hexdigest()

@@ -217,7 +217,7 @@ class _Setup:
   meta: dict = dataclasses.field(default_factory=dict)
   plans: dict = dataclasses.field(default_factory=dict)  # method name -> _MethodPlan
   source: Optional[source_stats.SourceData] = None  # --source-data, opened before any work if a method uses it
-  ckpt_digest: str = ""  # `source_stats.params_digest` of the checkpoint: in the resume key and the stats' key
+  ckpt_digest: str = ""  # `checkpoint.params_digest` of the checkpoint: in the resume key and the stats' key
 
 
 @dataclasses.dataclass
@@ -258,7 +258,7 @@ def _setup(cfg: RunConfig, log) -> _Setup:
   spec = datasets.get(cfg.dataset)
   model, params, meta = checkpoint.load(cfg.checkpoint)
   model = model.clone(dtype=compute_dtype(cfg.dtype), attention=cfg.attention)
-  ckpt_digest = source_stats.params_digest(params)  # once: the resume key and every statistics' key use it
+  ckpt_digest = checkpoint.params_digest(params)  # once: the resume key and every statistics' key use it
   exchange = distributed.Exchange()
   with exchange.main_first():  # the built-in benchmark's cache is filled by one process
     domains = spec.open(cfg, log)

@@ -39,7 +39,7 @@ from typing import Any, Callable, Mapping, Optional
 import jax
 import numpy as np
 
-from pcsr_jax import files, methods
+from pcsr_jax import checkpoint, files, methods
 from pcsr_jax.data import sources, transforms
 from pcsr_jax.data.loader import Loader
 from pcsr_jax.errors import UserError
@@ -111,17 +111,6 @@ def select(method: Method, data: SourceData, limit: Optional[int] = None) -> np.
     return np.arange(n)
   return np.random.default_rng(SELECTION_SEED).permutation(n)[:want]
 
-
-def params_digest(params: Any) -> str:
-  """SHA-256 over the checkpoint's params (names, shapes, bytes)."""
-  from flax import traverse_util
-
-  h = hashlib.sha256()
-  for k, v in sorted(traverse_util.flatten_dict(params).items()):
-    a = np.ascontiguousarray(np.asarray(v, np.float32))
-    h.update(f"{'/'.join(k)}:{a.shape}\n".encode())
-    h.update(a.tobytes())
-  return h.hexdigest()
 
 
 def check_labels(method: Method, data: SourceData, num_classes: int) -> None:
@@ -278,7 +267,7 @@ def get(method: Method, model: Any, params: Any, data: SourceData, *, checkpoint
         described: Optional[tuple[np.ndarray, dict]] = None) -> tuple[dict[str, np.ndarray], dict]:
   """The method's statistics (from the cache, or computed and cached) and what they were computed from: the
   `describe` description (pass ``described`` when it is at hand) plus ``read`` (`compute`'s account)."""
-  indices, desc = described or describe(method, data, batch_size, ckpt_digest or params_digest(params), limit)
+  indices, desc = described or describe(method, data, batch_size, ckpt_digest or checkpoint.params_digest(params), limit)
   path = os.path.join(cache_dir_for(checkpoint_dir, output_dir), f"{method.stats_key()}-{key(desc)}")
   prep = method.prepare(model, params, jax.random.key(0), batch_size)
   shapes = method.source_stats_shapes(prep, *split(prep.params, prep.is_trainable))

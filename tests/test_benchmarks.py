@@ -128,7 +128,7 @@ def test_dept_g_benchmark_prompts_are_the_official_size_and_the_same_for_both_fr
   from benchmarks import method_args
   from benchmarks.step_throughput import jax_inputs
   from benchmarks.torch_methods.dept_g import torch_state
-  from pcsr_jax import source_stats
+  from pcsr_jax import checkpoint
   from pcsr_jax.methods import dept
 
   model, params, _ = jax_inputs("vit_tiny_patch32_224", 2)
@@ -136,7 +136,7 @@ def test_dept_g_benchmark_prompts_are_the_official_size_and_the_same_for_both_fr
   prompt, trained, record = dept.load_prompts(method_args.jax_args("dept-g", model, params)["prompts"])
   assert (prompt.stages, prompt.prompts, prompt.dino_hidden, prompt.dino_bottleneck, prompt.dino_out) == (
       4, 50, 2048, 256, 2048)
-  assert record["checkpoint_sha256"] == source_stats.params_digest(params)
+  assert record["checkpoint_sha256"] == checkpoint.params_digest(params)
   np.testing.assert_array_equal(trained["head"]["kernel"], params["head"]["kernel"])
   t = method_args.torch_args("dept-g", "vit_tiny_patch32_224")
   assert (t["stage_num"], t["prompt_num"], t["hidden_dim"], t["bottleneck_dim"], t["out_dim"]) == (

@@ -223,9 +223,9 @@ def test_train_prompts_resumes_bit_identically_and_is_deterministic(source_world
   assert not np.array_equal(a["prompts"], s["prompts"])
   rec = json.loads((tmp_path / "a" / "record.json").read_text())
   assert rec["steps"] == 8 and rec["command"].startswith("python experiments/train_prompts.py --checkpoint")
-  from pcsr_jax import checkpoint, source_stats
+  from pcsr_jax import checkpoint
   model, params, _ = checkpoint.load(str(w / "ckpt"))
-  assert rec["checkpoint_sha256"] == source_stats.params_digest(params)
+  assert rec["checkpoint_sha256"] == checkpoint.params_digest(params)
   prep = methods.get("dept-g", prompts=str(tmp_path / "a")).prepare(model, params, jax.random.key(0), 4)
   np.testing.assert_array_equal(prep.params["prompts"], a["prompts"])
   with pytest.raises(UserError, match=r"--resume: no saved progress"):

@@ -120,7 +120,7 @@ def saved_prompts(directory, cfg, params, prompt, seed: int = 1):
 
   from pcsr_jax.methods.dept import save_prompts
   from pcsr_jax.models import create, prompted
-  from pcsr_jax.source_stats import params_digest
+  from pcsr_jax.checkpoint import params_digest
 
   extra = prompted.init_extra(prompted.create(create(cfg), prompt), jax.random.key(seed))
   trained = dict(jax.tree.map(np.asarray, extra), head=params["head"])

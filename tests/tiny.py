@@ -38,14 +38,14 @@ def batches(n: int, batch_size: int, cfg: ViTConfig = TINY, seed: int = 0, last:
 def dept_prompts(model, params, directory, stages: int = 2, prompts: int = 3, seed: int = 1) -> str:
   """A DePT-G prompts folder for ``model``/``params`` (freshly initialised prompts and small DINO heads, the
   checkpoint's head), as `pcsr_jax.experiments.train_prompts` writes one; returns the folder."""
-  from pcsr_jax import source_stats
+  from pcsr_jax import checkpoint
   from pcsr_jax.methods import dept
   from pcsr_jax.models import prompted
 
   pc = prompted.PromptConfig(stages=stages, prompts=prompts, dino_hidden=16, dino_bottleneck=8, dino_out=12)
   extra = jax.device_get(prompted.init_extra(prompted.create(model, pc), jax.random.key(seed)))
   dept.save_prompts(str(directory), dict(extra, head=params["head"]), pc,
-                    dict(checkpoint_sha256=source_stats.params_digest(params), command="tests/tiny.py"))
+                    dict(checkpoint_sha256=checkpoint.params_digest(params), command="tests/tiny.py"))
   return str(directory)
 
 
@@ -59,9 +59,9 @@ def required_args(name: str, model, params) -> dict:
     return {}
   import tempfile
 
-  from pcsr_jax import source_stats
+  from pcsr_jax import checkpoint
 
-  digest = source_stats.params_digest(params)
+  digest = checkpoint.params_digest(params)
   if digest not in _PROMPT_DIRS:
     _PROMPT_DIRS[digest] = dept_prompts(model, params, tempfile.mkdtemp(prefix="dept_prompts_"))
   return {"prompts": _PROMPT_DIRS[digest]}

@@ -44,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   data = source_stats.open_source_data(a.source_data, meta, a.tfds_data_dir, a.fashion_mnist_dir)
   for m in chosen:
     source_stats.check_labels(m, data, meta["num_classes"])
-  digest = source_stats.params_digest(params)
+  digest = checkpoint.params_digest(params)
   for m in chosen:
     source_stats.get(m, model, params, data, checkpoint_dir=a.checkpoint, output_dir=a.output,
                      batch_size=a.batch_size, limit=a.source_images, workers=a.workers, ckpt_digest=digest)

@@ -317,7 +317,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     raise UserError(f"--batch-size {a.batch_size}: more than the {n} source images")
   total = per_epoch * a.epochs if a.steps is None else min(a.steps, per_epoch * a.epochs)
   warmup = a.stages * a.prompts if a.warmup_steps is None else a.warmup_steps
-  ckpt_digest = source_stats.params_digest(params)
+  ckpt_digest = checkpoint.params_digest(params)
   key = run_key(a, ckpt_digest, data.description, n)
   trainer = Trainer(model, params, prompt, finetune=a.finetune_backbone, lr=a.lr, warmup=warmup, total=total,
                     seed=a.seed, epochs=a.epochs, mean=meta["mean"], std=meta["std"])

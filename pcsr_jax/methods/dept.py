@@ -105,7 +105,7 @@ MAKE_THEM = ("train them first: python experiments/train_prompts.py --checkpoint
 def save_prompts(directory: str, params: Params, prompt: prompted.PromptConfig, record: dict) -> str:
   """Writes the source stage's student params (prompts, DINO heads, head; the backbone too after
   ``--finetune-backbone``) as ``params.npz`` and ``record.json`` (the prompt config, ``record`` and the npz's
-  SHA-256); returns the npz's SHA-256. ``record`` must name ``checkpoint_sha256`` (`source_stats.params_digest`
+  SHA-256); returns the npz's SHA-256. ``record`` must name ``checkpoint_sha256`` (`checkpoint.params_digest`
   of the checkpoint the prompts were trained from)."""
   os.makedirs(directory, exist_ok=True)
   flat = {"/".join(k): np.asarray(v, np.float32) for k, v in traverse_util.flatten_dict(params).items()}
@@ -307,7 +307,7 @@ class DePTG(Method):
     return self.adapt_head and path[0] == "head"
 
   def prepare(self, model, params, rng, batch_size):
-    from pcsr_jax.source_stats import params_digest
+    from pcsr_jax.checkpoint import params_digest
 
     del rng
     if self.queue_size < batch_size:
