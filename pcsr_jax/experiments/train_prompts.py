@@ -229,16 +229,6 @@ class Trainer:
     self.state = jax.tree.map(jnp.asarray, tree)
 
 
-def _flat(tree: Any, prefix: str = "") -> dict:
-  out = {}
-  for k, v in tree.items() if isinstance(tree, dict) else enumerate(tree):
-    name = f"{prefix}{k}"
-    if isinstance(v, (dict, list, tuple)) and not hasattr(v, "shape"):
-      out.update(_flat(v, name + "/"))
-    else:
-      out[name] = v
-  return out
-
 
 def save_state(path: str, trainer: Trainer, meta: dict) -> None:
   """The trainer's state (params, teacher, optimizer, center, step) as one npz + json, replaced atomically."""
