@@ -7,15 +7,18 @@ memory again, one 4 KiB page at a time (226,000 page faults per step on 2 cores,
 21,000). ``PCSR_JAX_MALLOC`` picks how (docs/performance.md, "glibc's malloc on a CPU host", has the
 figures):
 
-* ``system`` (the default): glibc's defaults, nothing set, no restart.
-* ``hugepages``: glibc asks for transparent huge pages on its mappings (``hugetlb=1``), so the kernel maps the
-  block in 2 MiB pages: far fewer faults, the same memory.
+* ``hugepages`` (the default): glibc asks for transparent huge pages on its mappings (``hugetlb=1``), so the
+  kernel maps the block in 2 MiB pages: far fewer faults, the same memory.
+* ``system``: glibc's defaults, nothing set, no restart.
 * ``reuse``: one arena, no ``mmap``, no trimming: the freed block stays in the heap and the next step takes it
   back, no faults at all once the heap has found room for a step's blocks (a few steps), at up to 3 times
   the memory at batch 64, where a single heap fragments.
 
 Both speed up a small batch (batch 16: about 10% on JAX's TENT step); at the protocol's batch 64, in passes of
-16 rows, neither is faster, hence the default. glibc reads these settings (``GLIBC_TUNABLES``) once, at
+16 rows, neither is faster, and ``reuse``'s single heap fragments (up to 3 times the memory). ``hugepages``
+costs no memory and no speed anywhere measured, so it is the default on a CPU backend: under ``system`` the
+README's batch-16 step table did not hold (TENT 0.83x PyTorch, SAR 0.79x), under ``hugepages`` it does
+(1.05x, 1.04x; docs/performance.md). The restart costs one more interpreter start per command. glibc reads these settings (``GLIBC_TUNABLES``) once, at
 process start, so `reexec` starts the command again with them. It does so only where JAX will run on the CPU
 (no accelerator plugin installed, or ``JAX_PLATFORMS=cpu``): on an accelerator host the step's memory is the
 device's. A ``GLIBC_TUNABLES`` that already sets a malloc tunable is left as it is; a kernel without
@@ -38,7 +41,7 @@ HUGEPAGES = "glibc.malloc.hugetlb=1"
 REUSE = "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1099511627776"
 MODES: dict[str, Optional[str]] = {"hugepages": HUGEPAGES, "reuse": REUSE, "system": None}
 ENV = "PCSR_JAX_MALLOC"
-DEFAULT = "system"
+DEFAULT = "hugepages"
 
 
 def _accelerator_installed() -> bool:
