@@ -136,6 +136,38 @@ def test_convert_a_torch_state_dict_and_load_it(tmp_path):
     checkpoint.load(str(tmp_path / "ck"), kind="vit")
 
 
+def test_checkpoint_load_checks_a_diffusion_checkpoint(tmp_path):
+  """The ViT checkpoints' checks on a diffusion checkpoint: names, shapes, finiteness, the metadata's fields."""
+  cfg = CONFIGS["conv-additive"]
+  params = random_params(cfg)
+  diffusion = dict(learn_sigma=True, diffusion_steps=1000, noise_schedule="linear")
+  checkpoint.save(str(tmp_path / "ok"), params, checkpoint.make_unet_meta(cfg, diffusion))
+  model, loaded, meta = checkpoint.load(str(tmp_path / "ok"), kind="unet")
+  assert model.config == cfg and meta["diffusion"] == diffusion
+  jax.tree.map(np.testing.assert_array_equal, loaded, params)
+
+  def fails(match, params, meta):
+    d = str(tmp_path / f"bad{len(os.listdir(tmp_path))}")
+    checkpoint.save(d, params, meta)
+    with pytest.raises(UserError, match=match) as e:
+      checkpoint.load(d)
+    assert "\n" not in str(e.value)
+
+  meta = checkpoint.make_unet_meta(cfg, diffusion)
+  nan = jax.tree.map(np.array, params)
+  nan["middle_block_1"]["qkv"]["kernel"][0, 0] = np.nan
+  fails(r"1 param arrays hold NaN or inf \(e.g. middle_block_1/qkv/kernel\)", nan, meta)
+  fails(r"params do not match the metadata's model \(UNet, 32 px, num_channels 32, channel_mult \[1, 2\]\): "
+        r"missing label_emb/embedding", {k: v for k, v in params.items() if k != "label_emb"}, meta)
+  wrong = {**params, "out_2": {**params["out_2"], "bias": np.zeros(3, np.float32)}}
+  fails(r"out_2/bias has shape \(3,\), the metadata's model needs \(6,\)", wrong, meta)
+  fails("says learn_sigma False but its model has 6 output channels", params,
+        checkpoint.make_unet_meta(cfg, {**diffusion, "learn_sigma": False}))
+  fails("'diffusion' must be an object with keys", params, {**meta, "diffusion": {"learn_sigma": True}})
+  fails(r"bad model config \(UNet config: unexpected keys \['depth'\]\)", params,
+        {**meta, "model": {**meta["model"], "depth": 12}})
+
+
 def test_published_configs_resolve():
   cfg, diffusion = gd.config_from_flags(gd.read_flags("256x256_diffusion_uncond")[0])
   assert cfg == UNetConfig(image_size=256, num_channels=256, out_channels=6, num_res_blocks=2,
@@ -157,7 +189,7 @@ def random_params(cfg: UNetConfig, seed: int = 0) -> dict:
 
   def draw(path, s):
     if path[-1].key == "kernel":
-      return rng.standard_normal(s.shape).astype(np.float32) / np.sqrt(np.prod(s.shape[:-1]))
+      return (rng.standard_normal(s.shape) / np.sqrt(np.prod(s.shape[:-1]))).astype(np.float32)
     if path[-1].key == "scale":
       return rng.uniform(0.5, 1.5, s.shape).astype(np.float32)
     return rng.standard_normal(s.shape).astype(np.float32) * (1.0 if path[-1].key == "embedding" else 0.1)
