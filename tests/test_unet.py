@@ -300,3 +300,15 @@ def test_full_256_uncond_model_matches_the_pytorch_reference():
   del model
   out = jax.jit(lambda p, x, t: UNet(cfg).apply({"params": p}, x, t))(params, x, t)
   assert rel_err(out, ref.transpose(0, 2, 3, 1)) < 1e-4
+
+
+def test_a_diffusion_checkpoint_given_as_the_classifier_is_one_line(tmp_path):
+  """The main job's ``--checkpoint`` takes a ViT: a diffusion checkpoint there is refused before any work."""
+  from pcsr_jax.experiments import imagenet_c
+
+  cfg = CONFIGS["updown-scaleshift"]
+  d = str(tmp_path / "unet")
+  checkpoint.save(d, random_params(cfg), checkpoint.make_unet_meta(cfg, dict(learn_sigma=True, diffusion_steps=1000,
+                                                                               noise_schedule="linear")))
+  with pytest.raises(UserError, match=re.escape(f"{d}: a unet checkpoint, expected a vit one")):
+    imagenet_c.main(["--checkpoint", d, "--methods", "source", "--images", "8", "--output", str(tmp_path / "r")])
