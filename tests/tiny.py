@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pcsr_jax.models import ViTConfig, create, init_params
@@ -47,6 +50,26 @@ def dept_prompts(model, params, directory, stages: int = 2, prompts: int = 3, se
   dept.save_prompts(str(directory), dict(extra, head=params["head"]), pc,
                     dict(checkpoint_sha256=checkpoint.params_digest(params), command="tests/tiny.py"))
   return str(directory)
+
+
+@dataclasses.dataclass(frozen=True)
+class StandInUNetConfig:
+  image_size: int = 32
+  in_channels: int = 3
+
+
+class StandInUNet(nn.Module):
+  """A small eps model with the diffusion UNet's interface (``apply({'params': p}, x_nhwc, t_int)`` -> eps and
+  the variance value per channel; ``config.image_size``, ``config.in_channels``): DDA's tests run the method's
+  own code around it where guided-diffusion's UNet would cost minutes on a CPU."""
+
+  config: StandInUNetConfig = StandInUNetConfig()
+
+  @nn.compact
+  def __call__(self, x, t):
+    temb = jnp.sin(t.astype(jnp.float32)[:, None] / 100.0 * jnp.arange(1, 9, dtype=jnp.float32))
+    h = nn.Conv(8, (3, 3))(x) + nn.Dense(8)(temb)[:, None, None, :]
+    return nn.Conv(2 * x.shape[-1], (3, 3))(jnp.tanh(h))
 
 
 _PROMPT_DIRS: dict[str, str] = {}

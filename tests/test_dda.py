@@ -1,0 +1,160 @@
+"""DDA (`pcsr_jax.methods.dda`): the method through the engine on a tiny ViT with a stand-in eps model in the
+UNet's place (`tiny.StandInUNet`), its ensemble modes against a transcription of the official ones, the official
+save-as-JPEG path, the UNet-size round trip, and its one-line errors. The sampler's maths: tests/test_diffusion.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pcsr_jax import checkpoint, engine, methods
+from pcsr_jax.errors import UserError
+from pcsr_jax.methods import dda
+from tiny import TINY, StandInUNet, StandInUNetConfig, batches, tiny_model
+
+META = {"kind": "unet", "diffusion_steps": 1000, "noise_schedule": "linear", "learn_sigma": True}
+
+
+def standin(size: int = 32, seed: int = 0):
+  unet = StandInUNet(StandInUNetConfig(image_size=size))
+  x = jnp.zeros((1, size, size, 3))
+  return unet, jax.device_get(unet.init(jax.random.key(seed), x, jnp.zeros((1,), jnp.int32))["params"])
+
+
+@dataclasses.dataclass(frozen=True)
+class StandInDDA(dda.DDA):
+  """DDA with `tiny.StandInUNet` for the UNet: `prepare` hands it to `DDA.prepare_with` instead of loading a
+  checkpoint; everything else is DDA's."""
+
+  def check_inputs(self) -> None:
+    pass
+
+  def prepare(self, model, params, rng, batch_size):
+    unet, unet_params = standin()
+    return self.prepare_with(model, params, unet, unet_params, META)
+
+
+def run(method, xs, seed=0, batch_size=4):
+  model, params = tiny_model()
+  ad = engine.Adapter(method, model, params, batch_size=batch_size, seed=seed)
+  state, out = ad.init_state(), []
+  for x in xs:
+    state, logits, metrics = ad.step(state, x)
+    out.append(np.asarray(logits)[: len(x)])
+  return out, metrics
+
+
+def test_dda_through_the_engine_reports_the_official_ensemble():
+  xs = batches(2, 4, last=3)  # a ragged last batch: one padding row
+  kw = dict(N=3, group=2)
+  first, _ = run(StandInDDA(ensemble="first", **kw), xs)
+  second, _ = run(StandInDDA(ensemble="second", **kw), xs)
+  both, metrics = run(StandInDDA(**kw), xs)
+  source, _ = run(methods.get("source"), xs)
+  for f, sec, b, s in zip(first, second, both, source):
+    assert np.isfinite(b).all() and b.shape == (len(s), TINY.num_classes)
+    np.testing.assert_allclose(f, jax.nn.log_softmax(s), atol=1e-5)  # the input branch is the source model
+    assert np.abs(sec - f).max() > 1e-3  # the projection changed the images
+    # 'sum': softmax of what DDA reports is the mean of the two softmax outputs, the same noise in each run
+    np.testing.assert_allclose(np.exp(b), (np.exp(f) + np.exp(sec)) / 2, atol=1e-6)
+  assert 0 <= float(metrics["agreement"]) <= 1
+  again, _ = run(StandInDDA(**kw), xs)
+  for a, b in zip(again, both):
+    np.testing.assert_array_equal(a, b)  # deterministic for a seed
+  other, _ = run(StandInDDA(**kw), xs, seed=1)
+  assert any(np.abs(a - b).max() > 1e-6 for a, b in zip(other, both))
+
+
+def test_only_the_before_order_is_offered():
+  model, params = tiny_model()
+  with pytest.raises(UserError, match="^eval_order: expected before for dda"):
+    engine.Adapter(StandInDDA(N=2), model, params, batch_size=2, eval_order="after")
+
+
+def _official_ensemble(p1: np.ndarray, p2: np.ndarray, mode: str) -> np.ndarray:
+  """``model_adapt/evaluation.py``'s ``select_logits_to_idx`` / ``ensemble_from_logits`` on the classifier's
+  softmax outputs, in numpy."""
+  softmax = lambda z: np.exp(z - z.max(1, keepdims=True)) / np.exp(z - z.max(1, keepdims=True)).sum(1, keepdims=True)
+  ent = lambda p: -(softmax(p) * np.log(softmax(p))).sum(1, keepdims=True)
+  con = lambda p: softmax(p).max(1, keepdims=True)
+  select = lambda idx: p1 * ~idx + p2 * idx
+  return {"sum": lambda: p1 + p2, "first": lambda: p1, "second": lambda: p2,
+          "entropy": lambda: select(ent(p1) >= ent(p2)), "confidence": lambda: select(con(p1) <= con(p2)),
+          "var": lambda: select(p1.var(1, ddof=1, keepdims=True) <= p2.var(1, ddof=1, keepdims=True)),
+          "entropy_sum": lambda: p1 * ent(p2) + p2 * ent(p1),
+          "confidence_sum": lambda: p1 * con(p1) + p2 * con(p2)}[mode]()
+
+
+@pytest.mark.parametrize("mode", dda.ENSEMBLES)
+def test_ensemble_modes_as_the_official(mode):
+  rng = np.random.default_rng(0)
+  l1, l2 = rng.standard_normal((2, 64, 10)) * 3
+  p1, p2 = np.asarray(jax.nn.softmax(l1)), np.asarray(jax.nn.softmax(l2))
+  want = _official_ensemble(p1, p2, mode)
+  got = np.asarray(dda.ensemble(jnp.asarray(l1), jnp.asarray(l2), mode))
+  np.testing.assert_array_equal(got.argmax(1), want.argmax(1))
+  np.testing.assert_allclose(np.exp(got), want / want.sum(1, keepdims=True), rtol=1e-5, atol=1e-7)
+  if mode in ("entropy", "confidence", "var"):  # a selection: it picks each branch somewhere
+    assert np.allclose(np.exp(got), p1, atol=1e-6).sum() not in (0, 64 * 10)
+
+
+@pytest.mark.torch
+def test_the_jpeg_round_trip_is_save_image_and_pil(tmp_path):
+  """What the classifier reads equals ``torchvision.utils.save_image(normalize=True, range (-1, 1))`` of the
+  projection to a ``.JPEG`` file, read back by PIL."""
+  import torch
+  from PIL import Image
+  from torchvision.utils import save_image
+
+  x = np.random.default_rng(1).uniform(-1.3, 1.3, (2, 16, 16, 3)).astype(np.float32)
+  got = np.asarray(jax.jit(lambda a: dda.jpeg_round_trip(dda.to_uint8(a), 75))(x))
+  for i in range(2):
+    path = str(tmp_path / f"{i}.JPEG")
+    save_image(torch.from_numpy(x[i]).permute(2, 0, 1)[None], path, normalize=True, value_range=(-1, 1))
+    np.testing.assert_array_equal(got[i], np.asarray(Image.open(path).convert("RGB")))
+
+
+def test_unet_size_round_trip_and_no_jpeg():
+  """The classifier's 32 px images go to a 64 px UNet and back: a uniform image stays uniform (its value in
+  [-1, 1] there), and without the JPEG the float projection comes back unquantised."""
+  model, params = tiny_model()
+  m = dda.DDA(jpeg_quality=0, mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3))
+  unet, unet_params = standin(64)
+  prep = m.prepare_with(model, params, unet, unet_params, META)
+  x01 = jnp.broadcast_to(jnp.array([0.2, 0.5, 0.9]), (2, 32, 32, 3))
+  images = (x01 - jnp.array(m.mean)) / jnp.array(m.std)
+  y = m.to_unet(prep, images)
+  assert y.shape == (2, 64, 64, 3)
+  np.testing.assert_allclose(y, jnp.broadcast_to(jnp.array([-0.6, 0.0, 0.8]), y.shape), atol=1e-5)
+  back = m.from_unet(prep, y + 1e-3, (32, 32))
+  np.testing.assert_allclose(back, images + 1e-3 / 2 / jnp.array(m.std), atol=1e-5)
+
+
+def test_dda_errors_are_one_line(tmp_path):
+  from harness_fixtures import make_checkpoint
+
+  cases = [(dict(D=3), r"^dda D: expected a power of 2"), (dict(respacing="abc"), r"^dda respacing: expected"),
+           (dict(N=0), r"^dda N: expected an integer >= 1"), (dict(ensemble="mean"), r"^dda ensemble: expected one of"),
+           (dict(guidance="pixel"), r"^dda guidance: expected one of")]
+  for kw, match in cases:
+    with pytest.raises(UserError, match=match) as e:
+      methods.get("dda", **kw)
+    assert "\n" not in str(e.value)
+  model, params = tiny_model()
+  unet, unet_params = standin()
+  with pytest.raises(UserError, match=r"^dda N: expected below the respaced step count 100"):
+    dda.DDA(N=100).prepare_with(model, params, unet, unet_params, META)
+  with pytest.raises(UserError, match=r"^dda respacing 'ddim7': no integer stride"):
+    dda.DDA(respacing="ddim7").prepare_with(model, params, unet, unet_params, META)
+  with pytest.raises(UserError, match=r"^dda unet: needs a diffusion checkpoint; convert OpenAI"):
+    methods.get("dda").check_inputs()
+  with pytest.raises(UserError, match=r"^dda unet: .*not a pcsr-jax checkpoint"):
+    methods.get("dda", unet=str(tmp_path / "nowhere")).check_inputs()
+  vit = make_checkpoint(str(tmp_path / "vit"))
+  with pytest.raises(UserError, match=r"^dda unet .*vit: a classifier checkpoint .*, not a diffusion model"):
+    methods.get("dda", unet=vit).check_inputs()
+  assert checkpoint.load_meta(vit).get("kind") is None
