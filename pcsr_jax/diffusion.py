@@ -14,8 +14,8 @@ resize_right.py``, ``image_adapt/interp_methods.py``). Images are NHWC here (cha
 * The VLB helpers (`normal_kl`, `discretized_gaussian_log_likelihood`, `vb_terms_bpd`) and `training_losses`:
   guided-diffusion's ``LossType.MSE`` with a learned variance (MSE on eps + the VLB term with the mean's
   gradient stopped), for a training script.
-* `Resizer` / `resize_matrix`: resize_right's cubic, antialiased resize as one weight matrix per axis; `phi`
-  DDA's low-pass filter ``up_D(down_D(z))``.
+* `resize_matrix`: resize_right's cubic, antialiased resize as one weight matrix per axis (built once in numpy,
+  applied with an einsum: `apply_axes`); `phi` DDA's low-pass filter ``up_D(down_D(z))`` (`phi_matrix`).
 * `guided_sample`: DDA's sampler (``p_sample_loop_progressive`` with ``N``, ``D``, ``scale``) as one jit-able
   program: a ``lax.fori_loop`` over the steps.
 """
@@ -23,6 +23,7 @@ resize_right.py``, ``image_adapt/interp_methods.py``). Images are NHWC here (cha
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Callable, NamedTuple, Optional, Sequence, Union
 
@@ -345,11 +346,15 @@ def resize_matrix(in_size: int, out_size: int, scale: float) -> np.ndarray:
   return m
 
 
+@functools.lru_cache(maxsize=None)
 def phi_matrix(size: int, D: int) -> np.ndarray:
   """DDA's low-pass filter along one axis of ``size`` pixels: resize by ``1/D`` to ``int(size / D)`` pixels,
-  then by ``D`` back to ``size`` (``[size, size]`` float64: the two `resize_matrix` weights multiplied)."""
+  then by ``D`` back to ``size`` (``[size, size]`` float64: the two `resize_matrix` weights multiplied; cached,
+  so read-only)."""
   small = int(size / D)
-  return resize_matrix(small, size, float(D)) @ resize_matrix(size, small, 1.0 / D)
+  m = resize_matrix(small, size, float(D)) @ resize_matrix(size, small, 1.0 / D)
+  m.setflags(write=False)
+  return m
 
 
 def apply_axes(x: Array, mh: Array, mw: Array) -> Array:

@@ -11,12 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pcsr_jax import checkpoint, engine, methods
+from pcsr_jax import engine, methods
 from pcsr_jax.errors import UserError
 from pcsr_jax.methods import dda
 from tiny import TINY, StandInUNet, StandInUNetConfig, batches, tiny_model
 
-META = {"kind": "unet", "diffusion_steps": 1000, "noise_schedule": "linear", "learn_sigma": True}
+META = {"kind": "unet", "diffusion": {"diffusion_steps": 1000, "noise_schedule": "linear", "learn_sigma": True}}
 
 
 def standin(size: int = 32, seed: int = 0):
@@ -49,24 +49,22 @@ def run(method, xs, seed=0, batch_size=4):
 
 
 def test_dda_through_the_engine_reports_the_official_ensemble():
-  xs = batches(2, 4, last=3)  # a ragged last batch: one padding row
+  """With the JPEG round trip (a host callback inside the engine's jitted step) and a ragged last batch: the
+  softmax of what DDA reports is the mean of the source model's softmax on the input and another distribution
+  (the projection's; `ensemble` itself: test_ensemble_modes_as_the_official); a seed gives the same numbers."""
+  xs = batches(2, 4, last=3)  # one padding row in the last batch
   kw = dict(N=3, group=2)
-  first, _ = run(StandInDDA(ensemble="first", **kw), xs)
-  second, _ = run(StandInDDA(ensemble="second", **kw), xs)
   both, metrics = run(StandInDDA(**kw), xs)
   source, _ = run(methods.get("source"), xs)
-  for f, sec, b, s in zip(first, second, both, source):
+  for b, s in zip(both, source):
     assert np.isfinite(b).all() and b.shape == (len(s), TINY.num_classes)
-    np.testing.assert_allclose(f, jax.nn.log_softmax(s), atol=1e-5)  # the input branch is the source model
-    assert np.abs(sec - f).max() > 1e-3  # the projection changed the images
-    # 'sum': softmax of what DDA reports is the mean of the two softmax outputs, the same noise in each run
-    np.testing.assert_allclose(np.exp(b), (np.exp(f) + np.exp(sec)) / 2, atol=1e-6)
+    generated = 2 * np.exp(b) - np.asarray(jax.nn.softmax(s))
+    assert generated.min() > -1e-6 and np.allclose(generated.sum(1), 1, atol=1e-5)
+    assert np.abs(generated - np.asarray(jax.nn.softmax(s))).max() > 1e-3  # the projection moved the prediction
   assert 0 <= float(metrics["agreement"]) <= 1
   again, _ = run(StandInDDA(**kw), xs)
   for a, b in zip(again, both):
-    np.testing.assert_array_equal(a, b)  # deterministic for a seed
-  other, _ = run(StandInDDA(**kw), xs, seed=1)
-  assert any(np.abs(a - b).max() > 1e-6 for a, b in zip(other, both))
+    np.testing.assert_array_equal(a, b)  # deterministic for a seed (another key: tests/test_diffusion.py)
 
 
 def test_only_the_before_order_is_offered():
@@ -99,7 +97,7 @@ def test_ensemble_modes_as_the_official(mode):
   np.testing.assert_array_equal(got.argmax(1), want.argmax(1))
   np.testing.assert_allclose(np.exp(got), want / want.sum(1, keepdims=True), rtol=1e-5, atol=1e-7)
   if mode in ("entropy", "confidence", "var"):  # a selection: it picks each branch somewhere
-    assert np.allclose(np.exp(got), p1, atol=1e-6).sum() not in (0, 64 * 10)
+    assert np.isclose(np.exp(got), p1, atol=1e-6).all(1).sum() not in (0, 64)
 
 
 @pytest.mark.torch
@@ -148,8 +146,8 @@ def test_dda_errors_are_one_line(tmp_path):
   unet, unet_params = standin()
   with pytest.raises(UserError, match=r"^dda N: expected below the respaced step count 100"):
     dda.DDA(N=100).prepare_with(model, params, unet, unet_params, META)
-  with pytest.raises(UserError, match=r"^dda respacing 'ddim7': no integer stride"):
-    dda.DDA(respacing="ddim7").prepare_with(model, params, unet, unet_params, META)
+  with pytest.raises(UserError, match=r"^dda respacing 'ddim999': no integer stride"):
+    dda.DDA(respacing="ddim999").prepare_with(model, params, unet, unet_params, META)
   with pytest.raises(UserError, match=r"^dda unet: needs a diffusion checkpoint; convert OpenAI"):
     methods.get("dda").check_inputs()
   with pytest.raises(UserError, match=r"^dda unet: .*not a pcsr-jax checkpoint"):
@@ -157,4 +155,3 @@ def test_dda_errors_are_one_line(tmp_path):
   vit = make_checkpoint(str(tmp_path / "vit"))
   with pytest.raises(UserError, match=r"^dda unet .*vit: a classifier checkpoint .*, not a diffusion model"):
     methods.get("dda", unet=vit).check_inputs()
-  assert checkpoint.load_meta(vit).get("kind") is None

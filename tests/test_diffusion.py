@@ -54,7 +54,7 @@ def test_space_timesteps_matches_the_reference(spec):
 
 
 @pytest.mark.parametrize("spec, match", [("abc", "respacing: expected"), ("ddimx", "respacing: expected"),
-                                         ("0", "respacing: expected"), ("ddim7", "no integer stride"),
+                                         ("0", "respacing: expected"), ("ddim999", "no integer stride"),
                                          ("2000", "cannot divide a section of 1000 steps into 2000")])
 def test_bad_respacing_is_one_line(spec, match):
   with pytest.raises(UserError, match=match) as e:
@@ -148,12 +148,15 @@ def test_resize_matches_the_reference(in_size, out_size, scale):
 
 
 def test_phi_is_a_low_pass_that_darkens_the_border_as_the_zero_padding_does():
-  x = jnp.ones((1, 32, 32, 1))
+  x = jnp.ones((1, 64, 64, 1))
   y = np.asarray(diffusion.phi(x, 4))[0, :, :, 0]
-  np.testing.assert_allclose(y[8:24, 8:24], 1.0, atol=1e-6)  # a constant passes inside
-  assert y[0, 16] < 0.99 and y[16, 0] < 0.99  # the padded zeros pull the border down
-  checker = jnp.asarray(np.indices((32, 32)).sum(0) % 2, jnp.float32)[None, :, :, None]
-  assert float(jnp.abs(diffusion.phi(checker, 4) - 0.5)[0, 8:24, 8:24].max()) < 0.05  # the finest detail is gone
+  # A constant passes where no weight reaches the padding (the 16 px small image's pixels 2..13, and the outputs
+  # whose cubic reads only those), ...
+  np.testing.assert_allclose(y[16:48, 16:48], 1.0, atol=1e-6)
+  # ... the padded zeros pull the border down (and the cubic's negative lobe overshoots just inside it).
+  assert y[0, 32] < 0.7 and y[32, 0] < 0.7 and y[4, 32] > 1.01
+  checker = jnp.asarray(np.indices((64, 64)).sum(0) % 2, jnp.float32)[None, :, :, None]
+  assert float(jnp.abs(diffusion.phi(checker, 4) - 0.5)[0, 16:48, 16:48].max()) < 0.01  # the finest detail is gone
 
 
 # ---------------------------------------------------------------- the guided sampler
@@ -204,16 +207,21 @@ def _images(b: int = 2, size: int = 16, seed: int = 3) -> np.ndarray:
   return np.clip(rng.uniform(-1, 1, (b, size, size, C)), -1, 1).astype(np.float32)
 
 
+def _to_torch(a):
+  import torch
+
+  return torch.from_numpy(np.array(a)).permute(0, 3, 1, 2)
+
+
 @pytest.mark.torch
 @pytest.mark.parametrize("N, guidance", [(3, "batch"), (10, "batch"), (10, "image")])
 def test_guided_sampling_agrees_with_the_reference_with_the_same_noise(N, guidance):
-  """Both frameworks in float32 from the same images, draws and eps model. Bound: 1e-4 absolute on the result
-  (values of order 1). Each step's float32 rounding (~1e-7 relative) passes through the model's backward and the
-  guidance (scale 6 times a unit-norm gradient); over 10 steps it stays below ~1e-5 here. Bit-level agreement is
-  not expected: the two resize and sum in different orders, and a pixel where x0_hat sits on the clip's edge can
-  take the other branch of the clamp's gradient (none does here)."""
-  import torch
-
+  """Both frameworks in float32 from the same images, draws and eps model, free-running. Bound: 1e-4 absolute on
+  the result (values of order 1; 7e-7 seen). Bit-level agreement is not expected: the two resize and sum in
+  different orders, so each step differs by float32 rounding (~1e-6, the next test), which the later steps carry.
+  Free-running, this random stand-in amplifies such differences by about 1.3x per step (its x0 predictions sit
+  mostly on the clip, and it does not denoise), so 50 free-running steps end O(1) apart: the next test holds
+  every one of the 50 steps instead."""
   from benchmarks.torch_methods import dda as ref
 
   s = diffusion.make_schedule(1000, "linear", "100")
@@ -222,13 +230,36 @@ def test_guided_sampling_agrees_with_the_reference_with_the_same_noise(N, guidan
   key = jax.random.key(7)
   got = jax.jit(lambda yy, k: diffusion.guided_sample(s, jax_standin(w), yy, k, N=N, D=4, scale=6.0,
                                                       guidance=guidance))(y, key)
-  noises = np.asarray(diffusion.sampler_noise(key, y.shape, N))
-  to_t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).permute(0, 3, 1, 2)
-  want = ref.guided_sample(ref.SpacedDiffusion(1000, "100"), torch_standin(w), to_t(y), [to_t(n) for n in noises],
-                           N, 4, 6.0, guidance)
+  noises = diffusion.sampler_noise(key, y.shape, N)
+  want = ref.guided_sample(ref.SpacedDiffusion(1000, "100"), torch_standin(w), _to_torch(y),
+                           [_to_torch(n) for n in noises], N, 4, 6.0, guidance)
   want = want.permute(0, 2, 3, 1).numpy()
   assert np.abs(want - y).max() > 0.1  # it did something
   np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.torch
+def test_every_step_of_the_official_50_agrees_with_the_reference():
+  """DDA's 50 steps (indices 49 .. 0, t 494 .. 0) each taken by `diffusion.guided_step` from the reference's own
+  point with the same draw: within 2e-5 absolute of the reference's step at every index (4e-6 seen; float32
+  rounding through the model's backward and the guidance, times scale 6)."""
+  from benchmarks.torch_methods import dda as ref
+
+  s, rd = diffusion.make_schedule(1000, "linear", "100"), ref.SpacedDiffusion(1000, "100")
+  w = standin_weights()
+  y = _images()
+  N, D, scale = 50, 4, 6.0
+  noises = np.asarray(diffusion.sampler_noise(jax.random.key(7), y.shape, N))
+  x = np.asarray(diffusion.q_sample(s, y, jnp.full((2,), N), noises[0]))
+  phi_y = diffusion.phi(jnp.asarray(y), D)
+  step = jax.jit(lambda xx, i, n: diffusion.guided_step(s, jax_standin(w), xx, i, phi_y, n, D=D, scale=scale)[0])
+  for j, i in enumerate(range(N)[::-1]):
+    # the reference's step, as its loop takes it (one step of `ref.guided_sample`)
+    want = ref.guided_sample_step(rd, torch_standin(w), _to_torch(x), i, ref.phi(_to_torch(y), D),
+                                  _to_torch(noises[1 + j]), D, scale, "batch")
+    want = want.permute(0, 2, 3, 1).numpy()
+    np.testing.assert_allclose(np.asarray(step(x, i, noises[1 + j])), want, atol=2e-5, rtol=0, err_msg=f"index {i}")
+    x = want
 
 
 def test_batch_guidance_couples_the_images_and_image_guidance_does_not():
@@ -255,8 +286,8 @@ def test_batch_guidance_couples_the_images_and_image_guidance_does_not():
   per = np.sqrt(np.sum(np.asarray(diff) ** 2, axis=(1, 2, 3)))
   total = np.sqrt(np.sum(per ** 2))
   for b in range(2):
-    np.testing.assert_allclose(np.asarray(g_batch[b]) * total, np.asarray(g_image[b]) * per[b], rtol=1e-4,
-                               atol=1e-6)
+    np.testing.assert_allclose(np.asarray(g_batch[b]) * total, np.asarray(g_image[b]) * per[b], rtol=1e-3,
+                               atol=1e-5)
   assert not np.allclose(g_batch, g_image, rtol=1e-2)
   y2 = y.at[1].set(-y[1])
   for guidance, coupled in (("batch", True), ("image", False)):

@@ -149,26 +149,32 @@ class SpacedDiffusion:
     return {"mean": mean, "log_variance": log_variance, "pred_xstart": pred_xstart}
 
 
+def guided_sample_step(diff: SpacedDiffusion, model: Callable, img: torch.Tensor, i: int, phi_y: torch.Tensor,
+                       noise: torch.Tensor, D: int, scale: float, guidance: str = "batch") -> torch.Tensor:
+  """One pass of the official loop at index ``i``: ``p_sample`` (the draw given), then the guidance step."""
+  b = img.shape[0]
+  t = torch.full((b,), i, dtype=torch.long, device=img.device)
+  img = img.detach().requires_grad_()
+  out = diff.p_mean_variance(model, img, t)
+  nonzero = (t != 0).float().view(-1, 1, 1, 1)
+  sample = out["mean"] + nonzero * torch.exp(0.5 * out["log_variance"]) * noise
+  difference = phi_y - phi(out["pred_xstart"], D)
+  if guidance == "batch":
+    norm = torch.linalg.norm(difference)
+  else:
+    norm = torch.linalg.norm(difference.flatten(1), dim=1).sum()
+  grad = torch.autograd.grad(norm, img)[0]
+  return (sample - grad * scale).detach()
+
+
 def guided_sample(diff: SpacedDiffusion, model: Callable, y: torch.Tensor, noises: Sequence[torch.Tensor], N: int,
                   D: int, scale: float, guidance: str = "batch") -> torch.Tensor:
   """``p_sample_loop(model, shape, noise=y, N, D, scale)`` with the given normal draws; ``guidance='image'``
   replaces the batch norm with a sum of per-image norms."""
-  b = y.shape[0]
-  img = diff.q_sample(y, torch.full((b,), N, dtype=torch.long, device=y.device), noises[0])
+  img = diff.q_sample(y, torch.full((y.shape[0],), N, dtype=torch.long, device=y.device), noises[0])
   phi_y = phi(y, D)
-  for j, i in enumerate(range(N)[::-1]):
-    t = torch.full((b,), i, dtype=torch.long, device=y.device)
-    img = img.detach().requires_grad_()
-    out = diff.p_mean_variance(model, img, t)
-    nonzero = (t != 0).float().view(-1, 1, 1, 1)
-    sample = out["mean"] + nonzero * torch.exp(0.5 * out["log_variance"]) * noises[1 + j]
-    difference = phi_y - phi(out["pred_xstart"], D)
-    if guidance == "batch":
-      norm = torch.linalg.norm(difference)
-    else:
-      norm = torch.linalg.norm(difference.flatten(1), dim=1).sum()
-    grad = torch.autograd.grad(norm, img)[0]
-    img = (sample - grad * scale).detach()
+  for j, i in enumerate(range(N)[::-1]):  # q_sample at index N, then indices N - 1 .. 0: the official off-by-one
+    img = guided_sample_step(diff, model, img, i, phi_y, noises[1 + j], D, scale, guidance)
   return img
 
 

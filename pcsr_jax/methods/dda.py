@@ -106,10 +106,10 @@ class DDAPrepared(Prepared):
 
 
 def diffusion_settings(meta: Mapping[str, Any]) -> tuple[int, str, bool]:
-  """``(diffusion_steps, noise_schedule, learn_sigma)`` of a diffusion checkpoint's metadata (guided-diffusion's
-  defaults where a key is absent: 1000, 'linear', True)."""
-  return int(meta.get("diffusion_steps", 1000)), str(meta.get("noise_schedule", "linear")), \
-      bool(meta.get("learn_sigma", True))
+  """``(diffusion_steps, noise_schedule, learn_sigma)`` of a diffusion checkpoint's metadata (its ``diffusion``
+  record; guided-diffusion's defaults where a key is absent: 1000, 'linear', True)."""
+  d = meta.get("diffusion", {})
+  return int(d.get("diffusion_steps", 1000)), str(d.get("noise_schedule", "linear")), bool(d.get("learn_sigma", True))
 
 
 def ensemble(logits_input: Array, logits_generated: Array, mode: str) -> Array:
@@ -239,6 +239,9 @@ class DDA(Method):
     if cfg.in_channels != model.config.in_chans:
       raise UserError(f"dda unet {self.unet}: a {cfg.in_channels}-channel model for a {model.config.in_chans}-channel "
                       f"classifier")
+    if getattr(cfg, "class_cond", False):
+      raise UserError(f"dda unet {self.unet}: a class-conditional model; DDA projects with an unconditional one "
+                      f"(256x256_diffusion_uncond)")
     if cfg.image_size // self.D < 1:
       raise UserError(f"dda D: expected at most the UNet's image size {cfg.image_size}, got {self.D}")
     return DDAPrepared(model, params, is_trainable=lambda path: False, tx=optax.identity(),
