@@ -155,3 +155,62 @@ def test_dda_errors_are_one_line(tmp_path):
   vit = make_checkpoint(str(tmp_path / "vit"))
   with pytest.raises(UserError, match=r"^dda unet .*vit: a classifier checkpoint .*, not a diffusion model"):
     methods.get("dda", unet=vit).check_inputs()
+
+
+# ---------------------------------------------------------------- with guided-diffusion's UNet (pcsr_jax.models.unet)
+
+@pytest.mark.slow
+@pytest.mark.torch
+def test_guided_steps_with_the_unet_agree_with_the_reference():
+  """DDA's sampler with guided-diffusion's UNet (random weights everywhere, its zeroed output convs too) in both
+  frameworks, the same images and draws: 5 free-running guided steps from index 5, within 1e-4 absolute (7.7e-7
+  seen; 4.5e-6 after 20 steps: this UNet does not amplify rounding as the random stand-in of
+  tests/test_diffusion.py does). Each UNet forward and input gradient agrees to ~5e-6 relative
+  (tests/test_unet.py); the sampler's own rounding is ~1e-6 per step."""
+  pytest.importorskip("pcsr_jax.models.unet")
+  from benchmarks.torch_methods import dda as ref
+  from benchmarks.torch_methods import guided_unet
+  from pcsr_jax import diffusion
+  from pcsr_jax.models.unet import UNet, UNetConfig
+  from pcsr_jax.weights import guided_diffusion as gd
+
+  cfg = UNetConfig(image_size=32, num_channels=32, channel_mult=(1, 2), num_res_blocks=1, attention_resolutions=(16,),
+                   out_channels=6, num_head_channels=16, resblock_updown=True, use_scale_shift_norm=True)
+  model = guided_unet.randomize_(guided_unet.build(cfg), 0).eval()
+  params = gd.torch_to_flax({k: v.detach().numpy().copy() for k, v in model.state_dict().items()}, cfg)
+  s = diffusion.make_schedule(1000, "linear", "100")
+  y = np.random.default_rng(0).uniform(-1, 1, (2, 32, 32, 3)).astype(np.float32)
+  key, N = jax.random.key(3), 5
+  model_fn = lambda x, t: UNet(cfg).apply({"params": params}, x, t)
+  got = jax.jit(lambda yy, k: diffusion.guided_sample(s, model_fn, yy, k, N=N, D=4, scale=6.0))(y, key)
+  to_t = lambda a: __import__("torch").from_numpy(np.array(a)).permute(0, 3, 1, 2)
+  want = ref.guided_sample(ref.SpacedDiffusion(1000, "100"), lambda x, t: model(x, t), to_t(y),
+                           [to_t(n) for n in diffusion.sampler_noise(key, y.shape, N)], N, 4, 6.0)
+  want = want.permute(0, 2, 3, 1).numpy()
+  assert np.abs(want - y).max() > 0.1
+  np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_dda_through_the_harness_with_a_diffusion_checkpoint(tmp_path):
+  """`dda` from the harness's config, as the CLI runs it: a tiny ViT checkpoint and a tiny diffusion checkpoint
+  (tests/tiny.py's, written with `checkpoint.save`) on generated ImageNet-C folders; the records and, with an
+  unusable ``unet``, the one-line error before any work."""
+  pytest.importorskip("pcsr_jax.models.unet")
+  import harness_fixtures as hf
+  from pcsr_jax import harness
+  from tiny import dda_unet
+
+  world = hf.make_world(tmp_path / "w", ("fog",), classes=2, per_class=3)
+  unet = dda_unet(str(tmp_path / "unet"))
+  cfg = lambda out, **args: harness.RunConfig(
+      data=str(world / "data"), checkpoint=str(world / "ckpt"), output=str(tmp_path / out), corruptions=("fog",),
+      seeds=(1,), batch_size=4, progress=False, methods=("dda",), method_args={"dda": {"unet": unet, "N": 2, **args}})
+  res = harness.run(cfg("out"), log=lambda *a: None)
+  (rec,) = res["records"]
+  assert rec["method"] == "dda" and rec["num_samples"] == 6 and 0 <= rec["accuracy"] <= 1
+  with pytest.raises(UserError, match=r"^dda N: expected below the respaced step count 10 "):
+    harness.run(cfg("bad", respacing="10", N=10), log=lambda *a: None)
+  with pytest.raises(UserError, match=r"^dda unet .*: a classifier checkpoint"):
+    harness.run(harness.RunConfig(**{**dataclasses.asdict(cfg("vit")), "method_args": {"dda": {"unet": str(
+        world / "ckpt")}}}), log=lambda *a: None)

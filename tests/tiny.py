@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import flax.linen as nn
 import jax
@@ -75,13 +76,37 @@ class StandInUNet(nn.Module):
 _PROMPT_DIRS: dict[str, str] = {}
 
 
+_UNET_DIRS: dict[int, str] = {}
+
+
+def dda_unet(directory: str, seed: int = 0) -> str:
+  """A tiny diffusion checkpoint as convert_weights.py writes one (guided-diffusion's UNet at 32 px: 32 channels,
+  multipliers (1, 2), one res block per level, attention at 16 px, learned sigma; random weights); returns the
+  folder."""
+  from pcsr_jax import checkpoint
+  from pcsr_jax.models.unet import UNet, UNetConfig
+
+  cfg = UNetConfig(image_size=32, num_channels=32, channel_mult=(1, 2), num_res_blocks=1, attention_resolutions=(16,),
+                   out_channels=6, num_head_channels=16, resblock_updown=True, use_scale_shift_norm=True)
+  x, t = jnp.zeros((1, 32, 32, 3)), jnp.zeros((1,), jnp.int32)
+  params = jax.device_get(UNet(cfg).init(jax.random.key(seed), x, t)["params"])
+  meta = checkpoint.make_unet_meta(cfg, dict(diffusion_steps=1000, noise_schedule="linear", learn_sigma=True),
+                                   source="tests/tiny.py")
+  return checkpoint.save(directory, params, meta)
+
+
 def required_args(name: str, model, params) -> dict:
   """The method arguments a registered method cannot run without on ``model``/``params``: DePT-G's prompts
-  (written once per checkpoint into a temporary folder); nothing for the others."""
-  if name != "dept-g":
-    return {}
+  (written once per checkpoint into a temporary folder), DDA's diffusion checkpoint (written once; with 2 steps
+  to keep the tests quick); nothing for the others."""
   import tempfile
 
+  if name == "dda":
+    if 0 not in _UNET_DIRS:
+      _UNET_DIRS[0] = dda_unet(os.path.join(tempfile.mkdtemp(prefix="dda_unet_"), "unet"))
+    return {"unet": _UNET_DIRS[0], "N": 2}
+  if name != "dept-g":
+    return {}
   from pcsr_jax import checkpoint
 
   digest = checkpoint.params_digest(params)
