@@ -176,12 +176,13 @@ def test_cli_bad_input_matrix(golden_safetensors, tmp_path):
   sd["blocks.0.mlp.fc1.weight"] = np.zeros((700, 192), np.float32)
   wrong_shape = tmp_path / "wrong.safetensors"
   save_file(sd, str(wrong_shape))
+  missing =  len(set(timm_map.expected_shapes(configs.get_config("vit_tiny_patch16_224"))) - set(g["sd"]))
   cases = {
       "no such file": ["/nonexistent/w.safetensors", "--out", str(tmp_path / "a")],
       "unsupported extension '.onnx'": [str(bad_ext), "--out", str(tmp_path / "b")],
       "unknown arch 'vit_gigantic'": [path, "--out", str(tmp_path / "c"), "--arch", "vit_gigantic"],
-      "state dict does not match vit_tiny_patch16_224: missing keys": [path, "--out", str(tmp_path / "d"),
-                                                                       "--arch", "vit_tiny_patch16_224"],
+      f"state dict does not match vit_tiny_patch16_224 ({missing} missing, 0 unexpected): missing keys": [
+          path, "--out", str(tmp_path / "d"), "--arch", "vit_tiny_patch16_224"],
       "shape mismatch for 'blocks.0.mlp.fc1.weight'": [str(wrong_shape), "--out", str(tmp_path / "g"),
                                                        "--arch", "vit_tiny_patch16_224"],
       "output dir exists": [path, "--out", str(exists), "--arch", "vit_tiny_patch16_224"],

@@ -34,6 +34,7 @@ from flax import traverse_util
 
 from pcsr_jax.errors import UserError
 from pcsr_jax.models.unet import UNetConfig, param_shapes, plan
+from pcsr_jax.weights import timm_map
 
 StateDict = dict[str, np.ndarray]
 
@@ -241,21 +242,7 @@ def check_state_dict(sd: Mapping[str, np.ndarray], cfg: UNetConfig, src: str = "
   """Raises a one-line `UserError`: first a flag the shapes contradict, then missing / unexpected keys, a bad
   shape, or NaN / inf."""
   _diagnose(sd, cfg, src)
-  exp = expected_shapes(cfg)
-  missing, unexpected = sorted(set(exp) - set(sd)), sorted(set(sd) - set(exp))
-  if missing or unexpected:
-    few = lambda ks: ks[:5] + (["..."] if len(ks) > 5 else [])
-    parts = [f"missing keys {few(missing)}" if missing else "",
-             f"unexpected keys {few(unexpected)}" if unexpected else ""]
-    raise UserError(f"{src}: state dict does not match the UNet config ({len(missing)} missing, {len(unexpected)} "
-                    f"unexpected): " + "; ".join(p for p in parts if p))
-  for k, s in exp.items():
-    if tuple(np.shape(sd[k])) != s:
-      raise UserError(f"{src}: shape mismatch for '{k}': checkpoint {tuple(np.shape(sd[k]))}, the UNet config "
-                      f"expects {s}")
-  bad = [k for k in exp if not np.isfinite(sd[k]).all()]
-  if bad:
-    raise UserError(f"{src}: {len(bad)} tensors hold NaN or inf (e.g. '{bad[0]}')")
+  timm_map.check_against(sd, expected_shapes(cfg), src, "the UNet config")
 
 
 def torch_to_flax(sd: Mapping[str, np.ndarray], cfg: UNetConfig, src: str = "checkpoint") -> dict:

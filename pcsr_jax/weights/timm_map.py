@@ -90,16 +90,24 @@ def expected_shapes(cfg: ViTConfig) -> dict[str, tuple[int, ...]]:
 
 def check_state_dict(sd: Mapping[str, np.ndarray], cfg: ViTConfig, src: str = "checkpoint") -> None:
   """Raises a `UserError` listing missing / unexpected keys or naming a bad shape."""
-  exp = expected_shapes(cfg)
-  missing = sorted(set(exp) - set(sd))
-  unexpected = sorted(set(sd) - set(exp))
+  check_against(sd, expected_shapes(cfg), src, cfg.name)
+
+
+def check_against(sd: Mapping[str, np.ndarray], exp: Mapping[str, tuple[int, ...]], src: str, model: str) -> None:
+  """A state dict against the shapes a model expects (``model`` names it in the message): missing or unexpected
+  keys (the first five of each), then a bad shape, then NaN / inf, each as a one-line `UserError`. Shared by
+  every converter (ViTs here, guided-diffusion's UNet in `pcsr_jax.weights.guided_diffusion`)."""
+  missing, unexpected = sorted(set(exp) - set(sd)), sorted(set(sd) - set(exp))
   if missing or unexpected:
-    parts = [f"missing keys {missing}" if missing else "", f"unexpected keys {unexpected}" if unexpected else ""]
-    raise UserError(f"{src}: state dict does not match {cfg.name}: " + "; ".join(p for p in parts if p))
+    few = lambda ks: ks[:5] + (["..."] if len(ks) > 5 else [])
+    parts = [f"missing keys {few(missing)}" if missing else "",
+             f"unexpected keys {few(unexpected)}" if unexpected else ""]
+    raise UserError(f"{src}: state dict does not match {model} ({len(missing)} missing, {len(unexpected)} "
+                    f"unexpected): " + "; ".join(p for p in parts if p))
   for k, shape in exp.items():
-    if tuple(sd[k].shape) != shape:
-      raise UserError(f"{src}: shape mismatch for '{k}': checkpoint {tuple(sd[k].shape)}, "
-                      f"{cfg.name} expects {shape}")
+    if tuple(np.shape(sd[k])) != tuple(shape):
+      raise UserError(f"{src}: shape mismatch for '{k}': checkpoint {tuple(np.shape(sd[k]))}, {model} expects "
+                      f"{tuple(shape)}")
   bad = [k for k in exp if not np.isfinite(sd[k]).all()]
   if bad:
     raise UserError(f"{src}: {len(bad)} tensors hold NaN or inf (e.g. '{bad[0]}')")
