@@ -176,7 +176,7 @@ def test_cli_bad_input_matrix(golden_safetensors, tmp_path):
   sd["blocks.0.mlp.fc1.weight"] = np.zeros((700, 192), np.float32)
   wrong_shape = tmp_path / "wrong.safetensors"
   save_file(sd, str(wrong_shape))
-  missing =  len(set(timm_map.expected_shapes(configs.get_config("vit_tiny_patch16_224"))) - set(g["sd"]))
+  missing = len(set(weights.timm_map.expected_shapes(configs.get_config("vit_tiny_patch16_224"))) - set(g["sd"]))
   cases = {
       "no such file": ["/nonexistent/w.safetensors", "--out", str(tmp_path / "a")],
       "unsupported extension '.onnx'": [str(bad_ext), "--out", str(tmp_path / "b")],
