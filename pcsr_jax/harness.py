@@ -256,7 +256,7 @@ def _setup(cfg: RunConfig, log) -> _Setup:
   """Validates the config, loads the checkpoint and the data, and loads or starts the progress."""
   cfg.validate()
   spec = datasets.get(cfg.dataset)
-  model, params, meta = checkpoint.load(cfg.checkpoint)
+  model, params, meta = checkpoint.load(cfg.checkpoint, kind="vit")
   model = model.clone(dtype=compute_dtype(cfg.dtype), attention=cfg.attention)
   ckpt_digest = checkpoint.params_digest(params)  # once: the resume key and every statistics' key use it
   exchange = distributed.Exchange()

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pcsr_jax.models import ViTConfig, create, init_params
@@ -49,16 +53,60 @@ def dept_prompts(model, params, directory, stages: int = 2, prompts: int = 3, se
   return str(directory)
 
 
+@dataclasses.dataclass(frozen=True)
+class StandInUNetConfig:
+  image_size: int = 32
+  in_channels: int = 3
+
+
+class StandInUNet(nn.Module):
+  """A small eps model with the diffusion UNet's interface (``apply({'params': p}, x_nhwc, t_int)`` -> eps and
+  the variance value per channel; ``config.image_size``, ``config.in_channels``): DDA's tests run the method's
+  own code around it where guided-diffusion's UNet would cost minutes on a CPU."""
+
+  config: StandInUNetConfig = StandInUNetConfig()
+
+  @nn.compact
+  def __call__(self, x, t):
+    temb = jnp.sin(t.astype(jnp.float32)[:, None] / 100.0 * jnp.arange(1, 9, dtype=jnp.float32))
+    h = nn.Conv(8, (3, 3))(x) + nn.Dense(8)(temb)[:, None, None, :]
+    return nn.Conv(2 * x.shape[-1], (3, 3))(jnp.tanh(h))
+
+
 _PROMPT_DIRS: dict[str, str] = {}
+
+
+_UNET_DIRS: dict[int, str] = {}
+
+
+def dda_unet(directory: str, seed: int = 0) -> str:
+  """A tiny diffusion checkpoint as convert_weights.py writes one (guided-diffusion's UNet at 32 px: 32 channels,
+  multipliers (1, 2), one res block per level, attention at 16 px, learned sigma; random weights); returns the
+  folder."""
+  from pcsr_jax import checkpoint
+  from pcsr_jax.models.unet import UNet, UNetConfig
+
+  cfg = UNetConfig(image_size=32, num_channels=32, channel_mult=(1, 2), num_res_blocks=1, attention_resolutions=(16,),
+                   out_channels=6, num_head_channels=16, resblock_updown=True, use_scale_shift_norm=True)
+  x, t = jnp.zeros((1, 32, 32, 3)), jnp.zeros((1,), jnp.int32)
+  params = jax.device_get(UNet(cfg).init(jax.random.key(seed), x, t)["params"])
+  meta = checkpoint.make_unet_meta(cfg, dict(diffusion_steps=1000, noise_schedule="linear", learn_sigma=True),
+                                   source="tests/tiny.py")
+  return checkpoint.save(directory, params, meta)
 
 
 def required_args(name: str, model, params) -> dict:
   """The method arguments a registered method cannot run without on ``model``/``params``: DePT-G's prompts
-  (written once per checkpoint into a temporary folder); nothing for the others."""
-  if name != "dept-g":
-    return {}
+  (written once per checkpoint into a temporary folder), DDA's diffusion checkpoint (written once; with 2 steps
+  to keep the tests quick); nothing for the others."""
   import tempfile
 
+  if name == "dda":
+    if 0 not in _UNET_DIRS:
+      _UNET_DIRS[0] = dda_unet(os.path.join(tempfile.mkdtemp(prefix="dda_unet_"), "unet"))
+    return {"unet": _UNET_DIRS[0], "N": 2}
+  if name != "dept-g":
+    return {}
   from pcsr_jax import checkpoint
 
   digest = checkpoint.params_digest(params)

@@ -63,7 +63,7 @@ def builtin_run(a) -> int:
   if a.full and a.images is not None:
     raise UserError("--full runs all 10,000 images: drop --images")
   ckpt = a.checkpoint or builtin.CHECKPOINT
-  meta = checkpoint.load_meta(ckpt)
+  meta = checkpoint.load_meta(ckpt, kind="vit")
   images = builtin.FULL_IMAGES if a.full else _given(a.images, builtin.DEFAULT_IMAGES)
   seeds = common.parse_seeds(a.seeds) if a.seeds else (builtin.FULL_SEEDS if a.full else builtin.DEFAULT_SEEDS)
   corr = common.parse_corruptions(a.corruptions) if a.corruptions else corruptions.BENCHMARK

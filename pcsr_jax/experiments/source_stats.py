@@ -40,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   for m in chosen:
     if not m.uses_source_data():
       raise UserError(f"--methods: {m.name} uses no source statistics")
-  model, params, meta = checkpoint.load(a.checkpoint)
+  model, params, meta = checkpoint.load(a.checkpoint, kind="vit")
   data = source_stats.open_source_data(a.source_data, meta, a.tfds_data_dir, a.fashion_mnist_dir)
   for m in chosen:
     source_stats.check_labels(m, data, meta["num_classes"])

@@ -275,7 +275,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
   jax.config.update("jax_default_matmul_precision", "highest")
   source_stats.check_spec(a.source_data)
-  model, params, meta = checkpoint.load(a.checkpoint)
+  model, params, meta = checkpoint.load(a.checkpoint, kind="vit")
   prompt = prompted.PromptConfig(stages=a.stages, prompts=a.prompts, dino_layers=a.dino_layers,
                                  dino_hidden=a.dino_hidden, dino_bottleneck=a.dino_bottleneck, dino_out=a.dino_out)
   prompt.check(model.config.depth, "--stages/--prompts/--dino-*:")

@@ -136,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           severity=a.severity, images_per_corruption=a.images if builtin_mode else None,
                           fmnist_dir=a.fashion_mnist_dir, cache_dir=a.cache_dir)
   cfg.validate()
-  model, params, meta = checkpoint.load(ckpt)
+  model, params, meta = checkpoint.load(ckpt, kind="vit")
   domains = spec.open(cfg, print)
   method_args = dict(builtin.METHOD_ARGS["pcsr"]) if builtin_mode else {}
   try:

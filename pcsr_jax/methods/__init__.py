@@ -18,6 +18,7 @@ from pcsr_jax.methods.adacontrast import AdaContrast
 from pcsr_jax.methods.cfa import CFA
 from pcsr_jax.methods.cmf import CMF
 from pcsr_jax.methods.cotta import CoTTA
+from pcsr_jax.methods.dda import DDA
 from pcsr_jax.methods.dept import DePTG
 from pcsr_jax.methods.deyo import DeYO
 from pcsr_jax.methods.eata import EATA
@@ -50,6 +51,7 @@ REGISTRY: dict[str, tuple[type[Method], dict]] = {
     "roid": (ROID, {}),
     "cmf": (CMF, {}),
     "dept-g": (DePTG, {}),  # needs prompts trained on source: experiments/train_prompts.py
+    "dda": (DDA, {}),  # needs a diffusion checkpoint: convert_weights.py --unet-config
 }
 
 
@@ -96,5 +98,5 @@ def _is_number(v) -> bool:
   return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-__all__ = ["AdaContrast", "AdaptState", "CFA", "CMF", "CoTTA", "DePTG", "DeYO", "EATA", "FOA", "MEMO", "Method",
-           "PCSR", "Prepared", "REGISTRY", "ROID", "SAR", "SPA", "Source", "T3A", "Tent", "get"]
+__all__ = ["AdaContrast", "AdaptState", "CFA", "CMF", "CoTTA", "DDA", "DePTG", "DeYO", "EATA", "FOA", "MEMO",
+           "Method", "PCSR", "Prepared", "REGISTRY", "ROID", "SAR", "SPA", "Source", "T3A", "Tent", "get"]

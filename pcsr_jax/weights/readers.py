@@ -1,4 +1,5 @@
-"""Readers of checkpoint formats, each returning a timm state dict (numpy) and timm's pretrained config.
+"""Readers of checkpoint formats, each returning a state dict (numpy; timm-named for a ViT) and timm's pretrained
+config.
 
 * ``.safetensors`` -- read with ``safetensors.numpy`` (no torch);
 * ``.pth`` / ``.pt`` / ``.bin`` -- a torch pickle (needs torch);
