@@ -11,9 +11,12 @@ import numpy as np
 import pytest
 
 from pcsr_jax import checkpoint
+from pcsr_jax.data import fashion_mnist
 from pcsr_jax.errors import UserError
-from pcsr_jax.experiments import train_ddpm
+from pcsr_jax.experiments import builtin, train_ddpm
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ASSET = os.path.join(ROOT, "assets", "fmnist_ddpm")
 
 # A one-level UNet (32 channels, attention in the middle block only), 4 steps of 4 images.
 TINY = ["--num-channels", "32", "--channel-mult", "1", "--attention-resolutions", "", "--batch-size", "4",
@@ -92,3 +95,57 @@ def test_reproducing_command_drops_the_session_flags():
   cmd = train_ddpm.reproducing_command(["--out", "x y", "--resume", "--stop-after", "3", "--stop-after=2", "--force",
                                         "--steps", "9"])
   assert cmd == "python experiments/train_ddpm.py --out 'x y' --steps 9"
+
+
+# ---------------------------------------------------------------- the committed asset
+
+@pytest.fixture(scope="module")
+def asset():
+  model, params, meta = checkpoint.load(ASSET, kind="unet")
+  with open(os.path.join(ASSET, "record.json")) as f:
+    record = json.load(f)
+  return model, params, meta, record
+
+
+def test_the_asset_loads_and_its_record_matches_its_params(asset):
+  model, params, meta, record = asset
+  assert builtin.METHOD_ARGS["dda"]["unet"] == ASSET
+  assert record["params_sha256"] == checkpoint.params_digest(params) == meta["training"]["params_sha256"]
+  assert record["unet"] == model.config.to_dict() == meta["model"]
+  assert meta["diffusion"]["diffusion_steps"] == 1000 and meta["diffusion"]["noise_schedule"] == "linear"
+  assert record["command"].startswith("python experiments/train_ddpm.py")
+  assert record["history"][-1]["step"] == record["steps"]
+  size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(ASSET) for f in fs)
+  assert size < 8e6, f"{size / 1e6:.1f} MB: keep the asset small"
+
+
+def test_the_asset_denoises_held_out_images(asset):
+  """At t = 500 (alpha_bar 0.08) the eps-MSE on 64 Fashion-MNIST test images is well below that of predicting
+  zero (about 1); a random model of the same config is not (the property is not one every UNet has)."""
+  model, params, _, _ = asset
+  x, _ = fashion_mnist.load("test")
+  images = x[-64:].astype(np.float32) / 127.5 - 1.0  # the test split's last images: never trained on
+  trained = train_ddpm.eps_mse(model, params, images, (500,), seed=1)[500]
+  random_params = model.init(jax.random.key(3), images[:1], np.zeros((1,), np.int32))["params"]
+  untrained = train_ddpm.eps_mse(model, random_params, images, (500,), seed=1)[500]
+  zero = train_ddpm.eps_mse(model, jax.tree.map(np.zeros_like, params), images, (500,), seed=1)[500]
+  assert 0.9 < zero < 1.1  # the zero model's output is zero: the noise's own mean square
+  assert trained < 0.3 * zero, (trained, zero)
+  assert untrained > 0.7 * zero, untrained
+
+
+def test_builtin_runs_dda_with_the_asset_at_the_official_noise_level():
+  """The built-in run's DDA: the committed UNet, 8 steps from t = 504 (the official 505) and 64 images per
+  corruption by default; --full the official 100 / 50 (t = 505, 50 steps) on the same UNet."""
+  from pcsr_jax import diffusion, methods
+
+  assert builtin.default_images(builtin.METHODS) == builtin.DEFAULT_IMAGES
+  assert builtin.default_images(("source", "dda")) == 64
+  quick, full = builtin.frozen_method_args(("dda",))["dda"], builtin.frozen_method_args(("dda",), full=True)["dda"]
+  assert quick == {"unet": ASSET, "respacing": "ddim16", "N": 8}
+  assert full == {"unet": ASSET, "respacing": "100", "N": 50}
+  for args, t in ((quick, 504), (full, 505)):
+    m = methods.get("dda", **args)
+    m.check_inputs()
+    assert (m.D, m.scale) == (4, 6.0)
+    assert diffusion.make_schedule(1000, "linear", m.respacing).timestep_map[m.N] == t

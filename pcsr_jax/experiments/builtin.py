@@ -52,16 +52,18 @@ DEPT_PROMPTS = os.path.join(ROOT, "assets", "fmnist_vit_dept")
 # record.json holds the command, the loss curve and the SHA-256 of the params).
 DDA_UNET = os.path.join(ROOT, "assets", "fmnist_ddpm")
 # DDA's official flags (image_adapt.sh) are --timestep_respacing 100 --N 50 --D 4 --scale 6: the input is noised
-# to t = 505 of 1000 and 50 guided steps, each a UNet forward and a backward to the input, bring it back. At 32 px
-# a step costs about 0.05 s per image on this 2-core CPU, so the official 50 steps over 15 corruptions would
-# allow about 15 images per corruption in ten minutes. The built-in run keeps the noise level and cuts the steps
-# 5x: respacing 'ddim20' keeps t = 0, 50, ..., 950 and N = 10 noises to t = 500 (the official 505), then 10
-# steps; with `DDA_IMAGES` 64 images per corruption (one batch) `--methods dda` takes about ten minutes. D stays 4:
-# phi_D is a ratio (down by D, then up by D), so D = 4 keeps an 8 px guide of a 32 px image, the same fraction of
-# its spectrum as the official 64 px guide of 256 px. scale stays 6, not tuned: the two changes nearly cancel
-# (each of 5x fewer steps carries 5x the denoising, and 64x fewer pixels make the norm's gradient 8x larger per
-# pixel: 6 x 5 / 8 = 3.75, the same order). `--full` runs the official 100 / 50 (`FULL_METHOD_ARGS`).
-DDA_QUICK = {"respacing": "ddim20", "N": 10}
+# to t = 505 of 1000 (alpha_bar 0.074) and 50 guided steps, each a UNet forward and a backward to the input,
+# bring it back. Here a step costs about 0.08 s per image on this 2-core CPU (measured: one corruption of 64
+# images at 10 steps took 80 s, its compile included), so the official 50 steps would allow about 10 images per
+# corruption in ten minutes. The built-in run keeps the noise level and cuts the steps 6.25x: respacing 'ddim16'
+# keeps t = 0, 63, ..., 945 and N = 8 noises to t = 504 (alpha_bar 0.075), then 8 steps; with `DDA_IMAGES` 64
+# images per corruption (one batch: fewer would not be cheaper, the batch is padded to 64) `--methods dda` takes
+# about ten minutes (measured: 12 min on this shared CPU). D stays 4: phi_D is a ratio (down by D, then up by D),
+# so D = 4 keeps an 8 px guide of a 32 px image, the same fraction of its spectrum as the official 64 px guide of
+# 256 px. scale stays 6, not tuned: the two changes roughly cancel (each of 6.25x fewer steps carries 6.25x the
+# denoising, and 64x fewer pixels make the norm's gradient 8x larger per pixel: 6 x 6.25 / 8 = 4.7, the same
+# order). `--full` runs the official 100 / 50 (`FULL_METHOD_ARGS`).
+DDA_QUICK = {"respacing": "ddim16", "N": 8}
 DDA_IMAGES = 64
 METHOD_ARGS: dict[str, dict] = {
     **SWEPT,
