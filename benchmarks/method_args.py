@@ -6,7 +6,11 @@ FRESHLY INITIALISED prompts and DINO heads (`prompted.init_extra`, seed `SEED`) 
 (`prompted.PromptConfig`'s defaults: 4 stages of 50 prompts, 2-layer DINO heads 2048 / 256 / 2048 as
 ``yhygao/DePT``'s config) and the checkpoint's own head: `jax_args` writes them as a prompts folder
 (`dept.save_prompts`, in a temporary folder removed at exit), `torch_args` gives the PyTorch reference the very
-same arrays. Every other method needs nothing.
+same arrays. DDA cannot run without a diffusion checkpoint (``unet``): the benchmarks time it with a small
+guided-diffusion UNet (`BENCH_UNET`: the built-in benchmark's config, 32 px, 1.4M params) at FRESH random weights
+(the Flax init, seed `SEED`), written as a checkpoint for JAX (`jax_args`) and loaded into the PyTorch UNet
+(``benchmarks/torch_methods/guided_unet.py``) for the reference (`torch_args`), at DDA's official step counts
+(N 50 of the "100" respacing). Every other method needs nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any
 
 SEED = 0
 
-_DIRS: dict[str, str] = {}  # checkpoint digest -> its prompts folder (one per process)
+_DIRS: dict[str, str] = {}  # checkpoint digest -> its prompts folder, "dda" -> the UNet's (one per process)
 _LOCK = threading.Lock()  # gpu_report builds its JAX steps in threads
 
 
@@ -34,9 +38,32 @@ def fresh_extra(model) -> tuple[Any, dict]:
   return pc, jax.device_get(prompted.init_extra(prompted.create(model, pc), jax.random.key(SEED)))
 
 
+def bench_unet():
+  """DDA's UNet for the benchmarks: the built-in benchmark's config (`pcsr_jax.experiments.train_ddpm`'s
+  defaults: 32 px, 32 channels, multipliers (1, 2, 2), one res block per level, attention at 8 px)."""
+  from pcsr_jax.experiments import train_ddpm
+
+  return train_ddpm.unet_config(train_ddpm.parse([]))
+
+
+def fresh_unet() -> tuple[Any, dict]:
+  """``(config, params)``: `SEED`'s freshly initialised `bench_unet` (the Flax init) as numpy arrays."""
+  import jax
+  import jax.numpy as jnp
+
+  from pcsr_jax.models.unet import UNet
+
+  cfg = bench_unet()
+  x = jnp.zeros((1, cfg.image_size, cfg.image_size, cfg.in_channels), jnp.float32)
+  return cfg, jax.device_get(UNet(cfg).init(jax.random.key(SEED), x, jnp.zeros((1,), jnp.int32))["params"])
+
+
 def jax_args(method: str, model, params) -> dict[str, str]:
   """``{'prompts': folder}`` for DePT-G on ``model``/``params`` (`fresh_extra` and ``params``' head, written once
-  per checkpoint per process); ``{}`` for every other method."""
+  per checkpoint per process); ``{'unet': folder}`` for DDA (`fresh_unet` as a diffusion checkpoint, once per
+  process); ``{}`` for every other method."""
+  if method == "dda":
+    return {"unet": _dda_folder()}
   if method != "dept-g":
     return {}
   from pcsr_jax import checkpoint
@@ -54,23 +81,55 @@ def jax_args(method: str, model, params) -> dict[str, str]:
   return {"prompts": _DIRS[digest]}
 
 
+def _dda_folder() -> str:
+  from pcsr_jax import checkpoint
+  from pcsr_jax.experiments.train_ddpm import DIFFUSION
+
+  with _LOCK:
+    if "dda" not in _DIRS:
+      directory = tempfile.mkdtemp(prefix="pcsr_bench_unet_")
+      atexit.register(shutil.rmtree, directory, ignore_errors=True)
+      cfg, params = fresh_unet()
+      checkpoint.save(f"{directory}/unet", params, checkpoint.make_unet_meta(
+          cfg, DIFFUSION, source="benchmarks/method_args.py (fresh, for timing only)"))
+      _DIRS["dda"] = f"{directory}/unet"
+  return _DIRS["dda"]
+
+
 def torch_args(method: str, arch: str) -> dict[str, Any]:
   """The PyTorch reference's keyword arguments for ``method`` on ``arch``: for DePT-G the official sizes and
   `fresh_extra`'s prompts and DINO heads (the head stays the model's own, which is the JAX side's: both load
-  the same weights); ``{}`` for every other method.
+  the same weights); for DDA the PyTorch UNet with `fresh_unet`'s weights (on the GPU if there is one) and its
+  image size; ``{}`` for every other method.
 
   JAX computes them on the CPU only: in a PyTorch worker a JAX GPU backend would reserve most of the GPU's
   memory ahead of PyTorch's step (this sets ``jax_platforms``, which only takes effect in a process where JAX
   has not started a backend yet, as in the benchmarks' PyTorch workers).
   """
-  if method != "dept-g":
+  if method not in ("dept-g", "dda"):
     return {}
   import jax
 
+  jax.config.update("jax_platforms", "cpu")
+  if method == "dda":
+    return dict(unet=torch_unet(), image_size=bench_unet().image_size)
   from benchmarks.torch_methods.dept_g import torch_state
   from pcsr_jax.models import create, get_config
 
-  jax.config.update("jax_platforms", "cpu")
   pc, extra = fresh_extra(create(get_config(arch)))
   return dict(stage_num=pc.stages, prompt_num=pc.prompts, nlayer_head=pc.dino_layers, hidden_dim=pc.dino_hidden,
               bottleneck_dim=pc.dino_bottleneck, out_dim=pc.dino_out, state=torch_state(extra))
+
+
+def torch_unet():
+  """`fresh_unet` as the PyTorch reference UNet (``guided_unet.build``, the JAX params loaded through
+  `pcsr_jax.weights.guided_diffusion.flax_to_torch`), eval mode, on the GPU if there is one."""
+  import torch
+
+  from benchmarks.torch_methods import guided_unet
+  from pcsr_jax.weights.guided_diffusion import flax_to_torch
+
+  cfg, params = fresh_unet()
+  unet = guided_unet.build(cfg)
+  unet.load_state_dict({k: torch.from_numpy(v) for k, v in flax_to_torch(params).items()}, strict=True)
+  return unet.eval().to("cuda" if torch.cuda.is_available() else "cpu")

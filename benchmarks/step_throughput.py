@@ -16,7 +16,8 @@ first, and keeps each framework's fastest round: on a shared CPU one run's
 figures can move by 10-30% (a slow spell of the machine), and the spell then
 lands on one round, not on one framework's only figure.
 A method that cannot run without arguments gets them from `benchmarks.method_args`, the same on both sides
-(DePT-G: freshly initialised prompts and DINO heads of the official size; only the shapes matter to speed).
+(DePT-G: freshly initialised prompts and DINO heads of the official size; DDA: a small freshly initialised
+guided-diffusion UNet, 32 px, at the official step counts; only the shapes matter to speed).
 ``--cpu-devices N`` splits the CPU into N JAX devices sharing the batch (one per
 core is XLA:CPU's fastest setting; PyTorch uses all cores' threads either way).
 ``PCSR_JAX_MALLOC=hugepages`` or ``reuse`` restarts the command under those glibc settings (`pcsr_jax.malloc`,
@@ -314,9 +315,10 @@ def parser() -> ArgumentParser:
   return p
 
 
-# One step of these takes tens of forwards (FOA 28, CoTTA up to 35, MEMO 65 per image): in a table of every
-# method they run `HEAVY_STEPS` timed steps after no warm-up, whatever --steps and --warmup say.
-HEAVY = ("foa", "cotta", "memo")
+# One step of these takes tens of forwards (FOA 28, CoTTA up to 35, MEMO 65 per image, DDA 50 UNet forwards and
+# backwards): in a table of every method they run `HEAVY_STEPS` timed steps after no warm-up, whatever --steps and
+# --warmup say.
+HEAVY = ("foa", "cotta", "memo", "dda")
 HEAVY_STEPS = 1
 
 

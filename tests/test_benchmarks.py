@@ -147,6 +147,29 @@ def test_dept_g_benchmark_prompts_are_the_official_size_and_the_same_for_both_fr
     np.testing.assert_array_equal(v, want[k], err_msg=k)
 
 
+@pytest.mark.torch
+def test_dda_benchmark_unet_is_the_same_for_both_frameworks():
+  """DDA runs only with a diffusion checkpoint: the benchmarks write a fresh small UNet (the built-in config) for
+  JAX and load the very same weights into the PyTorch UNet, whose output then agrees with the JAX one."""
+  import torch
+
+  from benchmarks import method_args
+  from pcsr_jax import checkpoint
+
+  unet, params, meta = checkpoint.load(method_args.jax_args("dda", None, None)["unet"], kind="unet")
+  assert unet.config == method_args.bench_unet() and unet.config.image_size == 32 and meta["diffusion"]["learn_sigma"]
+  t = method_args.torch_args("dda", "vit_tiny_patch32_224")
+  assert t["image_size"] == 32
+  rng = np.random.default_rng(0)
+  x = rng.uniform(-1, 1, (2, 32, 32, 3)).astype(np.float32)
+  steps = np.array([505, 10], np.int32)
+  want = np.asarray(unet.apply({"params": params}, x, steps))
+  with torch.no_grad():
+    got = t["unet"](torch.from_numpy(x.transpose(0, 3, 1, 2).copy()), torch.from_numpy(steps).long())
+  assert np.abs(want).max() > 0.01  # an output that differs by input: a comparison that can fail
+  np.testing.assert_allclose(got.numpy().transpose(0, 2, 3, 1), want, atol=1e-4)
+
+
 @pytest.mark.slow
 @pytest.mark.torch
 def test_step_throughput_times_dept_g_in_both_frameworks(tmp_path):

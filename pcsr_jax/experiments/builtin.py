@@ -48,6 +48,23 @@ COTTA_AP = 0.92
 # DePT-G's prompts, head and DINO heads trained on Fashion-MNIST train for the committed ViT (its source stage;
 # the command and the SHA-256 of the checkpoint's params are in the folder's record.json).
 DEPT_PROMPTS = os.path.join(ROOT, "assets", "fmnist_vit_dept")
+# DDA's diffusion model: a guided-diffusion UNet trained on Fashion-MNIST train (experiments/train_ddpm.py; its
+# record.json holds the command, the loss curve and the SHA-256 of the params).
+DDA_UNET = os.path.join(ROOT, "assets", "fmnist_ddpm")
+# DDA's official flags (image_adapt.sh) are --timestep_respacing 100 --N 50 --D 4 --scale 6: the input is noised
+# to t = 505 of 1000 (alpha_bar 0.074) and 50 guided steps, each a UNet forward and a backward to the input,
+# bring it back. Here a step costs about 0.08 s per image on this 2-core CPU (measured: one corruption of 64
+# images at 10 steps took 80 s, its compile included), so the official 50 steps would allow about 10 images per
+# corruption in ten minutes. The built-in run keeps the noise level and cuts the steps 6.25x: respacing 'ddim16'
+# keeps t = 0, 63, ..., 945 and N = 8 noises to t = 504 (alpha_bar 0.075), then 8 steps; with `DDA_IMAGES` 64
+# images per corruption (one batch: fewer would not be cheaper, the batch is padded to 64) `--methods dda` takes
+# about ten minutes (measured: 12 min on this shared CPU). D stays 4: phi_D is a ratio (down by D, then up by D),
+# so D = 4 keeps an 8 px guide of a 32 px image, the same fraction of its spectrum as the official 64 px guide of
+# 256 px. scale stays 6, not tuned: the two changes roughly cancel (each of 6.25x fewer steps carries 6.25x the
+# denoising, and 64x fewer pixels make the norm's gradient 8x larger per pixel: 6 x 6.25 / 8 = 4.7, the same
+# order). `--full` runs the official 100 / 50 (`FULL_METHOD_ARGS`).
+DDA_QUICK = {"respacing": "ddim16", "N": 8}
+DDA_IMAGES = 64
 METHOD_ARGS: dict[str, dict] = {
     **SWEPT,
     "sar": {**SWEPT["sar"], "reset_constant": RESET_CONSTANT},
@@ -57,7 +74,12 @@ METHOD_ARGS: dict[str, dict] = {
     "spa": {"noise_patch": SPA_NOISE_PATCH},
     "cotta": {"ap": COTTA_AP},
     "dept-g": {"prompts": DEPT_PROMPTS},
+    "dda": {"unet": DDA_UNET, **DDA_QUICK},
 }
+# What --full changes in METHOD_ARGS: DDA's official step counts.
+FULL_METHOD_ARGS: dict[str, dict] = {"dda": {"respacing": "100", "N": 50}}
+# The default images per corruption of a run that includes these methods (the run's count is the smallest).
+METHOD_IMAGES: dict[str, int] = {"dda": DDA_IMAGES}
 METHODS = ("source", "tent", "sar", "pcsr", "pcsr-frozen")  # the default run: under 5 minutes on 2 cores
 
 
@@ -68,20 +90,32 @@ def all_methods() -> tuple[str, ...]:
   return METHODS + tuple(m for m in methods.REGISTRY if m not in METHODS)
 
 
+def default_images(methods) -> int:
+  """Images per corruption of a default (not ``--full``) run of ``methods``: `DEFAULT_IMAGES`, or fewer when a
+  method in it is slow (`METHOD_IMAGES`)."""
+  return min([DEFAULT_IMAGES] + [METHOD_IMAGES[m] for m in methods if m in METHOD_IMAGES])
+
+
+def frozen_method_args(methods, full: bool = False) -> dict[str, dict]:
+  """`METHOD_ARGS` of ``methods``, with `FULL_METHOD_ARGS` over them for a ``--full`` run."""
+  return {m: {**METHOD_ARGS[m], **(FULL_METHOD_ARGS.get(m, {}) if full else {})} for m in methods
+          if m in METHOD_ARGS}
+
+
 def run_config(output: str, images: int = DEFAULT_IMAGES, seeds=DEFAULT_SEEDS, methods=METHODS,
                corruptions=None, severity: int = SEVERITY, eval_order=None, method_args=None, checkpoint=CHECKPOINT,
-               frozen_args: bool = True, **kw):
+               frozen_args: bool = True, full: bool = False, **kw):
   """The harness config of a built-in run (``corruptions`` default: the 15 benchmark ones).
 
-  ``method_args`` override the frozen `METHOD_ARGS`; ``frozen_args=False`` starts from the methods'
-  own defaults instead (the sweep scores each candidate exactly as written).
+  ``method_args`` override the frozen `METHOD_ARGS` (with `FULL_METHOD_ARGS` when ``full``); ``frozen_args=False``
+  starts from the methods' own defaults instead (the sweep scores each candidate exactly as written).
   """
   from pcsr_jax import harness
   from pcsr_jax.data import corruptions as corr
 
   from pcsr_jax.experiments.common import merge_method_args
 
-  frozen = {m: METHOD_ARGS[m] for m in methods if m in METHOD_ARGS} if frozen_args else {}
+  frozen = frozen_method_args(methods, full) if frozen_args else {}
   merged = merge_method_args(frozen, method_args or {})
   return harness.RunConfig(data="builtin", checkpoint=checkpoint, output=output, dataset="fmnist_c",
                            methods=tuple(methods), corruptions=tuple(corruptions or corr.BENCHMARK),

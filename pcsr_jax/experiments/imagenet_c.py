@@ -11,7 +11,8 @@ Without ``--data`` it runs the built-in benchmark: Source, TENT, SAR and PCSR
 on Fashion-MNIST-C (real Fashion-MNIST test images, the 15 corruptions at
 CIFAR-10-C strength, severity 5) with the committed source ViT
 (``assets/fmnist_vit``) -- 1,280 images per corruption and one seed in under
-5 minutes on a 2-core CPU, or ``--full`` (10,000 images, 3 seeds).
+5 minutes on a 2-core CPU, or ``--full`` (10,000 images, 3 seeds). A run with ``dda`` defaults to 64 images per
+corruption and fewer diffusion steps than the official (about ten minutes; ``--full``: the official steps).
 ``--eval-order both`` runs every method twice, predicting before and after its
 update, and prints the two side by side.
 """
@@ -64,12 +65,13 @@ def builtin_run(a) -> int:
     raise UserError("--full runs all 10,000 images: drop --images")
   ckpt = a.checkpoint or builtin.CHECKPOINT
   meta = checkpoint.load_meta(ckpt, kind="vit")
-  images = builtin.FULL_IMAGES if a.full else _given(a.images, builtin.DEFAULT_IMAGES)
   seeds = common.parse_seeds(a.seeds) if a.seeds else (builtin.FULL_SEEDS if a.full else builtin.DEFAULT_SEEDS)
   corr = common.parse_corruptions(a.corruptions) if a.corruptions else corruptions.BENCHMARK
   # The default five fit the 5-minute budget; --full and --preset table1 run every registered method.
   chosen = (common.parse_methods(a.methods) if a.methods else
             builtin.all_methods() if a.full or a.preset == "table1" else builtin.METHODS)
+  # A slow method (DDA) lowers the default image count: builtin.METHOD_IMAGES.
+  images = builtin.FULL_IMAGES if a.full else _given(a.images, builtin.default_images(chosen))
   out = a.output or os.path.join("runs", "builtin_full" if a.full else "builtin")
   orders = ("before", "after") if a.eval_order == "both" else (a.eval_order,)
   acc = meta.get("training", {}).get("clean_test_accuracy")
@@ -77,14 +79,17 @@ def builtin_run(a) -> int:
         f"corruptions) at severity {severity}, setting {a.setting or 'normal'}; "
         f"{images:,} images per corruption (the first {images:,} of the 10,000 test images), "
         f"{len(corr)} corruptions, seeds {','.join(map(str, seeds))}, batch {batch}; "
-        f"source model {ckpt}" + (f" (clean test accuracy {100 * acc:.2f}%)" if acc is not None else ""), flush=True)
+        f"source model {ckpt}" + (f" (clean test accuracy {100 * acc:.2f}%)" if acc is not None else "") +
+        (f"; {images} images per corruption because {', '.join(m for m in chosen if m in builtin.METHOD_IMAGES)} "
+         f"is slow (--images to change)" if not a.full and a.images is None and images < builtin.DEFAULT_IMAGES
+         else ""), flush=True)
   results = {}
   for order in orders:
     # --eval-order both: a method that predicts only before its update (T3A, FOA, ...) runs in that pass only.
     these = tuple(m for m in chosen if len(orders) == 1 or order in methods.get(m).eval_orders)
     cfg = builtin.run_config(
         os.path.join(out, f"eval_{order}") if len(orders) > 1 else out, images=images, seeds=seeds, methods=these,
-        corruptions=corr, severity=severity, eval_order=order,
+        corruptions=corr, severity=severity, eval_order=order, full=a.full,
         method_args=common.parse_method_args(a.method_args), checkpoint=ckpt, setting=a.setting or "normal",
         batch_size=batch, fmnist_dir=a.fashion_mnist_dir, cache_dir=a.cache_dir,
         shuffle=not a.no_shuffle, save_predictions=a.save_predictions, resume=a.resume,
@@ -104,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   p = common.parser("imagenet_c.py", __doc__.split("\n\n")[0], PRESETS)
   g = p.add_argument_group("built-in benchmark (no --data)")
   g.add_argument("--full", action="store_true", help="all 10,000 test images per corruption, 3 seeds")
-  g.add_argument("--images", type=int, help="images per corruption (default 1280)")
+  g.add_argument("--images", type=int, help="images per corruption (default 1280; 64 when dda runs)")
   g.add_argument("--fashion-mnist-dir", help="dir with Fashion-MNIST's idx(.gz) files (default: Debian's)")
   g.add_argument("--cache-dir", help="where Fashion-MNIST-C is cached (default: ~/.cache/pcsr-jax)")
   a = p.parse_args(argv)

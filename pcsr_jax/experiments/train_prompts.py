@@ -231,38 +231,18 @@ class Trainer:
 
 
 def save_state(path: str, trainer: Trainer, meta: dict) -> None:
-  """The trainer's state (params, teacher, optimizer, center, step) as one npz + json, replaced atomically."""
-  import jax
-  import numpy as np
-
+  """The trainer's state (params, teacher, optimizer, center, step) as one npz + json (`files.save_tree`)."""
   from pcsr_jax import files
 
-  os.makedirs(path, exist_ok=True)
-  leaves = jax.tree.leaves(trainer.host_state())
-  with files.atomic_path(os.path.join(path, "state.npz")) as tmp:
-    np.savez(tmp, *leaves)
-  files.write_json(os.path.join(path, "state.json"), dict(meta, format=FORMAT_STATE, leaves=len(leaves)))
+  files.save_tree(path, trainer.host_state(), dict(meta, format=FORMAT_STATE))
 
 
 def load_state(path: str, trainer: Trainer) -> dict:
   """Restores `save_state`'s state into ``trainer`` (one-line error if missing or damaged); returns its json."""
-  import jax
-  import numpy as np
+  from pcsr_jax import files
 
-  try:
-    with open(os.path.join(path, "state.json")) as f:
-      meta = json.load(f)
-    template = trainer.host_state()
-    leaves, treedef = jax.tree.flatten(template)
-    with np.load(os.path.join(path, "state.npz")) as z:
-      saved = [z[f"arr_{i}"] for i in range(len(z.files))]
-    if meta.get("format") != FORMAT_STATE or len(saved) != len(leaves) or any(
-        a.shape != b.shape or a.dtype != b.dtype for a, b in zip(saved, leaves)):
-      raise ValueError("another run's state")
-  except (OSError, ValueError, KeyError, TypeError) as e:
-    raise UserError(f"{path}: saved state is damaged or missing ({type(e).__name__}); rerun without --resume "
-                    f"to start over") from None
-  trainer.load_state(jax.tree.unflatten(treedef, saved))
+  tree, meta = files.load_tree(path, trainer.host_state(), FORMAT_STATE)
+  trainer.load_state(tree)
   return meta
 
 
