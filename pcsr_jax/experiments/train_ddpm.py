@@ -25,10 +25,10 @@ The recipe is guided-diffusion's (``image_train.py``, ``train_util.TrainLoop``, 
 
 Scaled down, each stated: the 256 px model has 256 channels, multipliers (1, 1, 2, 2, 4, 4), 2 res blocks per
 level and attention at 32, 16, 8 px (553M params); here 32 channels, (1, 2, 2), one res block per level,
-attention at 8 px and in the middle block (about 1M params), so that training fits about 30 minutes of a
+attention at 8 px and in the middle block (1.37M params), so that training fits about 30 minutes of a
 2-core CPU. For a run of a few thousand steps (guided-diffusion trains for hundreds of thousands) the
 learning rate is 5e-4 (its default 1e-4) and the EMA rate 0.995 (its 0.9999, whose horizon of 10,000 steps
-would average mostly the random init), batch 16 (its ImageNet runs: 256; a step of 16 takes about 2 s here).
+would average mostly the random init), batch 16 (its ImageNet runs: 256; a step of 16 takes 1-2 s here).
 
 Deterministic under ``--seed``: the init, the epoch permutations and flips, and per step the timesteps and
 the noise (from the seed and the step number), at the highest matmul precision; a run stopped at any point
