@@ -46,13 +46,13 @@ DATASETS = datasets.NAMES
 class RunConfig:
   """Everything a run depends on (stored in results.json)."""
 
-  data: str  # a directory; "tfds" for imagenet2012_corrupted; ignored by the built-in fmnist_c
+  data: Optional[str]  # a directory; "tfds" for imagenet2012_corrupted; ignored by the built-in fmnist_c
   checkpoint: str
   output: str
   methods: tuple[str, ...] = ("source", "tent", "sar", "pcsr")
   dataset: str = "imagenet_c"
   corruptions: tuple[str, ...] = imagenet.CORRUPTIONS
-  severity: int = 5
+  severity: float = 5  # an int 1..5; generated data (--clean-data, the built-in benchmark) also takes fractions
   seeds: tuple[int, ...] = (2022, 2023, 2024)
   setting: str = "normal"
   batch_size: int = 64
@@ -67,6 +67,9 @@ class RunConfig:
   imbalance_ratio: float = 500000.0
   label_shift_indices: Optional[str] = None
   tfds_data_dir: Optional[str] = None
+  # ImageNet-C generated in the stream from clean images (`pcsr_jax.data.generated`) instead of --data: a clean
+  # ``<dir>/<wnid>/*.JPEG`` folder or ``tfds[:<name>[:<split>]]``, corrupted with ``corruption_seed``.
+  clean_data: Optional[str] = None
   image_list: Optional[str] = None  # visda: the list under --data (None: the official validation list)
   method_args: dict = dataclasses.field(default_factory=dict)  # e.g. {"pcsr": {"lr_dsn": 0.05}}
   progress: bool = True
@@ -112,10 +115,19 @@ class RunConfig:
     if self.setting not in streams.SETTINGS:
       raise UserError(f"--setting: unknown setting '{self.setting}': expected one of {', '.join(streams.SETTINGS)}")
     spec = datasets.get(self.dataset)
+    if self.clean_data is not None:
+      if self.dataset != "imagenet_c":
+        raise UserError(f"--clean-data generates ImageNet-C: not for --dataset {self.dataset}")
+      if self.data is not None:
+        raise UserError("--data and --clean-data: give one (the released folders, or clean images to corrupt)")
+      sources.parse_images_spec(self.clean_data, "--clean-data")
+    elif self.data is None and self.dataset != "fmnist_c":
+      raise UserError("--data or --clean-data is required")
+    if self.setting == "gradual" and not spec.has_severity:
+      raise UserError(f"--setting gradual: walks corruption severities; --dataset {self.dataset} has none")
     if spec.has_severity:
       spec.check_corruptions(self.corruptions)
-      if not 1 <= self.severity <= 5:
-        raise UserError(f"--severity: expected 1 to 5, got {self.severity}")
+      self.severity = check_severity(self.severity, fractional=self.clean_data is not None or spec.generated)
     if self.dataset == "fmnist_c" and self.images_per_corruption is not None and \
         not 1 <= self.images_per_corruption <= 10000:
       raise UserError(f"--images: expected 1 to 10000, got {self.images_per_corruption}")
@@ -149,6 +161,21 @@ class RunConfig:
                           f"its statistics; none given")
     if self.setting == "bs1" and self.batch_size != 1:
       self.batch_size = 1  # the bs1 setting *is* batch size 1
+
+
+def check_severity(severity, fractional: bool) -> float:
+  """``--severity``: an integer 1..5 for released data; generated data also takes a fraction in (0, 5] (the
+  tables interpolated, `corruptions.params`). An integral value comes back as an int (records and file names
+  then read ``5``, not ``5.0``)."""
+  ok = isinstance(severity, (int, float)) and not isinstance(severity, bool) and math.isfinite(severity)
+  if ok and float(severity).is_integer():
+    severity = int(severity)
+  if fractional:
+    if not (ok and 0 < severity <= 5):
+      raise UserError(f"--severity: expected a number in (0, 5], got {severity}")
+  elif not (ok and isinstance(severity, int) and 1 <= severity <= 5):
+    raise UserError(f"--severity: expected 1 to 5 (fractions need generated data: --clean-data), got {severity}")
+  return severity
 
 
 def check_output_dir(path: str) -> None:
@@ -261,10 +288,10 @@ def _setup(cfg: RunConfig, log) -> _Setup:
   ckpt_digest = checkpoint.params_digest(params)  # once: the resume key and every statistics' key use it
   exchange = distributed.Exchange()
   with exchange.main_first():  # the built-in benchmark's cache is filled by one process
-    domains = spec.open(cfg, log)
+    domains = _open_domains(spec, cfg, log)
   subset = spec.class_subset()
   for name, src in domains:
-    sources.check_classes(src, meta["num_classes"], subset, spec.where(cfg, name))
+    sources.check_classes(src, meta["num_classes"], subset, spec.where(cfg, streams.split_domain(name, 0)[0]))
   relabel = None  # ImageNet-R/-A: labels become positions in the 200-class subset of the logits
   num_classes = meta["num_classes"]
   if subset is not None:
@@ -280,7 +307,8 @@ def _setup(cfg: RunConfig, log) -> _Setup:
   kind = loader_kind(cfg.loader, loader)
   loader.processes = kind == "processes"
   decode_ips = loader.throughput(min(256, len(srcs[0])))
-  log(f"data: {cfg.dataset} from {cfg.data}: {len(domains)} domain(s), {sum(len(s) for s in srcs):,} images; "
+  origin = f"generated from the clean images {cfg.clean_data}" if cfg.clean_data else f"from {cfg.data}"
+  log(f"data: {cfg.dataset} {origin}: {len(domains)} domain(s), {sum(len(s) for s in srcs):,} images; "
       f"decode + preprocess {decode_ips:.0f} img/s ({loader.workers} {kind})")
 
   os.makedirs(cfg.output, exist_ok=True)
@@ -309,6 +337,22 @@ def _setup(cfg: RunConfig, log) -> _Setup:
                  config_json, decode_ips, exchange, meta, plans, source, ckpt_digest)
   _load_source_stats(setup, log)
   return setup
+
+
+def _open_domains(spec: datasets.DatasetSpec, cfg: RunConfig, log) -> list:
+  """The run's ``[(domain name, source)]``: one per corruption, or for the gradual setting one per corruption
+  and severity 1..5 (`streams.gradual_domain`), corruption after corruption."""
+  if cfg.setting != "gradual":
+    return spec.open(cfg, log)
+  by_severity = {s: spec.open(dataclasses.replace(cfg, severity=s), log) for s in streams.SEVERITIES}
+  return [(streams.gradual_domain(c, s), by_severity[s][k][1]) for k, c in enumerate(cfg.corruptions)
+          for s in streams.SEVERITIES]
+
+
+def _columns(setup: _Setup) -> list[str]:
+  """The table's and plots' columns: the domains, or for the gradual setting the corruptions (each the mean of
+  its 9 passes)."""
+  return list(setup.cfg.corruptions) if setup.cfg.setting == "gradual" else setup.names
 
 
 def _plan_methods(cfg: RunConfig, meta: dict, ckpt_digest: str, log
@@ -406,10 +450,10 @@ def _config_diff(saved: str, now: str) -> list[str]:
   return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
-_PREDICTIONS = re.compile(r"_.+_\d+_seed\d+\.npz$")  # `_predictions_file`'s names after the method's
+_PREDICTIONS = re.compile(r"_.+_\d+(\.\d+)?_seed\d+\.npz$")  # `_predictions_file`'s names after the method's
 
 
-def _predictions_file(out: str, method: str, domain: str, severity: int, seed: int) -> str:
+def _predictions_file(out: str, method: str, domain: str, severity: float, seed: int) -> str:
   return os.path.join(out, "predictions", f"{method}_{domain}_{severity}_seed{seed}.npz")
 
 
@@ -494,7 +538,7 @@ def _write_outputs(setup: _Setup, log) -> dict:
   cfg, progress = setup.cfg, setup.progress
   records = progress.records
   # Nothing claims completion unless every planned (method, seed, domain) record exists.
-  have = {(r["method"], r["seed"], r["corruption"]) for r in records}
+  have = {(r["method"], r["seed"], r.get("domain", r["corruption"])) for r in records}
   missing = [(m, s, d) for s in cfg.seeds for m in cfg.methods for d in setup.names if (m, s, d) not in have]
   if missing:
     m, s, d = missing[0]
@@ -502,7 +546,7 @@ def _write_outputs(setup: _Setup, log) -> dict:
     raise UserError(f"no image of {d} was evaluated for {m} seed {s} ({lost} unreadable, "
                     f"{len(missing)} of {len(cfg.seeds) * len(cfg.methods) * len(setup.names)} planned results "
                     f"missing): nothing written")
-  tbl = results.table(records, setup.names, cfg.methods)
+  tbl = results.table(records, _columns(setup), cfg.methods)
   out = dict(records=records, curves=progress.curves, skipped=progress.skipped, table=tbl,
              decode_images_per_s=setup.decode_ips, throughput=progress.throughput)
   if not distributed.is_main():  # one set of outputs: process 0's
@@ -515,7 +559,7 @@ def _write_outputs(setup: _Setup, log) -> dict:
   results.write_csv(os.path.join(cfg.output, "results.csv"), records)
   with open(os.path.join(cfg.output, "table.md"), "w") as f:
     f.write(tbl)
-  plots = results.plot(cfg.output, records, progress.curves, setup.names, cfg.methods)
+  plots = results.plot(cfg.output, records, progress.curves, _columns(setup), cfg.methods)
   setup.resume.clear()
   log(tbl)
   if setup.spec.open_set:  # VisDA-2021: the papers count every sample; the official metric known classes only
@@ -530,10 +574,12 @@ def _write_outputs(setup: _Setup, log) -> dict:
 
 
 def _data_key(srcs: list) -> str:
-  """A digest of every stream item in order (name and label): what --resume must find unchanged."""
+  """A digest of every stream item in order (name and label), and of how generated data is made (the
+  generator's version, corruption, severity and seed: `generated.CorruptedSource.describe`): what --resume
+  must find unchanged."""
   h = hashlib.sha256()
   for src in srcs:
-    h.update(f"{len(src)}\n".encode())
+    h.update(f"{len(src)} {getattr(src, 'describe', '')}\n".encode())
     h.update("\n".join(src.names).encode())
     h.update(np.asarray(src.labels, np.int64).tobytes())
   return h.hexdigest()
@@ -726,15 +772,20 @@ def _record_segment(setup: _Setup, unit: UnitProgress, seg, method_name: str, se
     if counts is None:
       continue
     correct, total, correct_known, known = counts
-    rec = dict(method=method_name, setting=cfg.setting, corruption=tag, severity=cfg.severity, seed=seed,
+    corruption, severity = streams.split_domain(tag, cfg.severity)
+    rec = dict(method=method_name, setting=cfg.setting, corruption=corruption, severity=severity, seed=seed,
                eval_order=eval_order, accuracy=correct / max(total, 1), num_samples=total,
                num_skipped=unit.skipped, seconds=unit.seconds, resets=resets, source_data=source_used)
+    stem = corruption
+    if tag != corruption:  # gradual: a corruption's severities, each met twice but 5: named by stream segment
+      rec.update(domain=tag, segment=unit.segment)
+      stem = f"{corruption}-segment{unit.segment}"
     if setup.spec.open_set:
       rec.update(accuracy_known=correct_known / max(known, 1), num_known=known)
     setup.progress.records.append(rec)
     if cfg.save_predictions and distributed.is_main():
       fn, lab, pred = preds
-      path = _predictions_file(cfg.output, method_name, tag, cfg.severity, seed)
+      path = _predictions_file(cfg.output, method_name, stem, severity, seed)
       os.makedirs(os.path.dirname(path), exist_ok=True)
       np.savez(path, file_names=np.asarray(fn), labels=np.asarray(lab, np.int32),
                predictions=np.asarray(pred, np.int32))

@@ -30,7 +30,8 @@ def write_csv(path: str, records: Sequence[dict]) -> None:
 
 def table(records: Sequence[dict], corruptions: Sequence[str], methods: Sequence[str]) -> str:
   """Markdown in the layout of the paper's Table 1: methods as rows, corruptions + Avg as columns,
-  accuracy (%) as mean ± std over seeds (population std)."""
+  accuracy (%) as mean ± std over seeds (population std). A corruption with several records per seed (the gradual
+  setting's severities) counts their mean."""
   cols = list(corruptions)
   head = "| Method | " + " | ".join(SHORT_NAMES.get(c, c) for c in cols) + " | Avg. |"
   lines = [head, "|" + "---|" * (len(cols) + 2)]
@@ -39,7 +40,8 @@ def table(records: Sequence[dict], corruptions: Sequence[str], methods: Sequence
     if not rs:
       continue
     seeds = sorted({r["seed"] for r in rs})
-    per_seed = {s: {r["corruption"]: 100.0 * r["accuracy"] for r in rs if r["seed"] == s} for s in seeds}
+    per_seed = {s: {c: float(np.mean(v)) for c, v in _by_corruption([r for r in rs if r["seed"] == s]).items()}
+                for s in seeds}
     cells = []
     for c in cols:
       v = [per_seed[s][c] for s in seeds if c in per_seed[s]]
@@ -47,6 +49,13 @@ def table(records: Sequence[dict], corruptions: Sequence[str], methods: Sequence
     avgs = [np.mean([per_seed[s][c] for c in cols]) for s in seeds if all(c in per_seed[s] for c in cols)]
     lines.append(f"| {m} | " + " | ".join(cells) + f" | {fmt_mean_std(avgs)} |")
   return "\n".join(lines) + "\n"
+
+
+def _by_corruption(records: Sequence[dict]) -> dict[str, list[float]]:
+  out: dict[str, list[float]] = {}
+  for r in records:
+    out.setdefault(r["corruption"], []).append(100.0 * r["accuracy"])
+  return out
 
 
 def fmt_mean_std(v: Sequence[float]) -> str:

@@ -71,18 +71,9 @@ def open_source_data(spec: str, meta: Mapping[str, Any], tfds_data_dir: Optional
     src.names = [f"train_{i:05d}" for i in range(len(images))]
     return SourceData(spec, f"Fashion-MNIST train ({len(src):,} images)", src, transforms.Preprocess.from_meta(meta))
   preprocess = transforms.Preprocess.from_meta(meta, crop_pct=0.875)
-  tfds_name = check_spec(spec)
-  if tfds_name is not None:
-    name, split_name = tfds_name
-    try:
-      src = sources.TFDSSource(None, None, tfds_data_dir, name=name, split=split_name)
-    except UserError as e:
-      raise UserError(f"--source-data {spec}: {e}") from None
-    return SourceData(spec, f"tfds {name} {split_name} ({len(src):,} images)", src, preprocess)
-  try:
-    src = sources.FolderSource(spec)
-  except UserError as e:  # no class folders, no images, a folder that cannot be listed
-    raise UserError(f"--source-data {spec}: {e}") from None
+  src = sources.open_images(spec, "--source-data", tfds_data_dir)
+  if isinstance(src, sources.TFDSSource):
+    return SourceData(spec, f"tfds {src.config} {src.split} ({len(src):,} images)", src, preprocess)
   return SourceData(spec, f"folder {spec} ({len(src):,} images)", src, preprocess)
 
 
@@ -90,14 +81,7 @@ def check_spec(spec: str) -> Optional[tuple[str, str]]:
   """Checks a ``--source-data`` value before any work; returns ``(name, split)`` for a TFDS one."""
   if spec == "fmnist-train":
     return None
-  if spec == "tfds" or spec.startswith("tfds:"):
-    parts = spec.split(":")
-    if len(parts) > 3 or any(not p for p in parts[1:]):
-      raise UserError(f"--source-data {spec}: expected tfds, tfds:<name> or tfds:<name>:<split>")
-    return (parts[1] if len(parts) > 1 else "imagenet2012", parts[2] if len(parts) > 2 else "validation")
-  if not os.path.isdir(spec):
-    raise UserError(f"--source-data {spec}: not a folder, 'tfds[:<name>[:<split>]]' or 'fmnist-train'")
-  return None
+  return sources.parse_images_spec(spec, "--source-data", also="'fmnist-train'")
 
 
 def select(method: Method, data: SourceData, limit: Optional[int] = None) -> np.ndarray:

@@ -68,13 +68,42 @@ def test_all_methods_normal_setting_outputs(world, tmp_path):
     float_checks.assert_predictions_match(pred["predictions"], logits[order])
 
 
-@pytest.mark.parametrize("setting", streams.SETTINGS)
+@pytest.mark.parametrize("setting", [s for s in streams.SETTINGS if s != "gradual"])  # gradual: its own test
 def test_every_setting_runs(world, tmp_path, setting):
   res = harness.run(cfg(world, tmp_path, methods=("tent",), setting=setting, limit=40), log=lambda *a: None)
   recs = res["records"]
   assert [r["corruption"] for r in recs] == list(CORR) and all(r["setting"] == setting for r in recs)
   expected = 40 if setting == "label_shifts" else 20  # label shifts draw 4 classes x 100 (limited to 40)
   assert all(r["num_samples"] == expected for r in recs), recs
+
+
+def test_gradual_setting_walks_severities_without_reset(tmp_path):
+  """RMT's gradual setting: each corruption at severities 1..5..1 (9 shuffled passes), one model for the whole
+  stream; one record per pass, the table averages a corruption's 9, and no two passes share a predictions file."""
+  for sev in streams.SEVERITIES:
+    hf.make_imagenet_c(str(tmp_path / "data"), CORR, severity=sev, classes=2, per_class=2, seed=sev)
+  hf.make_checkpoint(str(tmp_path / "ckpt"))
+  segs = streams.build("gradual", [4] * 10, [np.zeros(4)] * 10,
+                       [streams.gradual_domain(c, s) for c in CORR for s in streams.SEVERITIES], seed=0)
+  assert [s.name for s in segs] == [f"{c}@{v}" for c in CORR for v in streams.GRADUAL]
+  assert [s.reset for s in segs] == [True] + [False] * 17
+  assert all(sorted(s.indices) == [0, 1, 2, 3] for s in segs) and segs[0].source_ids[0] == 0
+  res = harness.run(harness.RunConfig(data=str(tmp_path / "data"), checkpoint=str(tmp_path / "ckpt"),
+                                      output=str(tmp_path / "out"), corruptions=CORR, seeds=(1,), batch_size=4,
+                                      progress=False, methods=("source", "tent"), setting="gradual",
+                                      save_predictions=True), log=lambda *a: None)
+  for m in ("source", "tent"):
+    recs = [r for r in res["records"] if r["method"] == m]
+    assert [(r["corruption"], r["severity"]) for r in recs] == [(c, v) for c in CORR for v in streams.GRADUAL]
+    assert [r["segment"] for r in recs] == list(range(18)) and all(r["num_samples"] == 4 for r in recs)
+    row = next(l for l in res["table"].splitlines() if l.startswith(f"| {m} |"))
+    means = [np.mean([100 * r["accuracy"] for r in recs if r["corruption"] == c]) for c in CORR]
+    assert row == f"| {m} | {means[0]:.1f} | {means[1]:.1f} | {np.mean(means):.1f} |", row
+  assert len(os.listdir(tmp_path / "out" / "predictions")) == 36
+  # Source sees the same images at a severity twice (up and down), so predicts them the same way.
+  up, down = (np.load(tmp_path / "out" / "predictions" / f"source_fog-segment{k}_3_seed1.npz") for k in (11, 15))
+  order = np.argsort(up["file_names"]), np.argsort(down["file_names"])
+  np.testing.assert_array_equal(up["predictions"][order[0]], down["predictions"][order[1]])
 
 
 def test_unreadable_image_is_skipped_and_counted(world, tmp_path):

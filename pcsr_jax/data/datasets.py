@@ -35,6 +35,7 @@ class DatasetSpec:
   extra_domains: tuple[str, ...] = ()  # other accepted domain names (Fashion-MNIST-C's "clean")
   subset: Optional[str] = None  # a 200-class subset of the 1000 ImageNet logits (imagenet_r / imagenet_a)
   open_set: bool = False  # labels == num_classes mark samples of no known class (VisDA-2021)
+  generated: bool = False  # its corrupted images are made by the project (fractional severities allowed)
 
   @property
   def has_severity(self) -> bool:
@@ -53,6 +54,8 @@ class DatasetSpec:
 
   def where(self, cfg, domain: str) -> str:
     """How error messages name a domain: its folder, or the domain name for generated or TFDS data."""
+    if getattr(cfg, "clean_data", None):
+      return f"--clean-data {cfg.clean_data} ({domain})"
     return f"{cfg.data}/{domain}" if self.name != "fmnist_c" and cfg.data != "tfds" else domain
 
 
@@ -65,6 +68,11 @@ def _data_dir(cfg) -> str:
 
 
 def _open_imagenet_c(cfg, log) -> Domains:
+  if cfg.clean_data:  # generated in the stream from clean images, the release's way
+    from pcsr_jax.data import generated
+
+    clean = sources.open_images(cfg.clean_data, "--clean-data", cfg.tfds_data_dir)
+    return [(c, generated.CorruptedSource(clean, c, cfg.severity, cfg.corruption_seed)) for c in cfg.corruptions]
   if cfg.data == "tfds":  # TFDS imagenet2012_corrupted, read with tfds.data_source
     return [(c, sources.TFDSSource(c, cfg.severity, cfg.tfds_data_dir)) for c in cfg.corruptions]
   return [(c, sources.imagenet_c_source(cfg.data, c, cfg.severity)) for c in cfg.corruptions]
@@ -93,7 +101,8 @@ REGISTRY: dict[str, DatasetSpec] = {s.name: s for s in (
     DatasetSpec("visda", "VisDA-2021", _open_visda, transforms.visda_preprocess, open_set=True),
     DatasetSpec("folder", "image folder", _open_folder, transforms.Preprocess.from_meta),
     DatasetSpec("fmnist_c", "Fashion-MNIST-C", _open_fmnist_c, transforms.Preprocess.from_meta,
-                corruptions=corruptions.BENCHMARK, heldout=corruptions.HELDOUT, extra_domains=("clean",)),
+                corruptions=corruptions.BENCHMARK, heldout=corruptions.HELDOUT, extra_domains=("clean",),
+                generated=True),
 )}
 NAMES = tuple(REGISTRY)
 

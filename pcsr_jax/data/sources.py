@@ -115,6 +115,7 @@ class TFDSSource:
 
     # ``corruption=None``: the dataset ``name`` itself (clean ``imagenet2012`` as source data).
     config = f"{name}/{corruption}_{severity}" if corruption is not None else name
+    self.config, self.split = config, split
     self.ds = None
     for decoders in ({"image": tfds.decode.SkipDecoding()}, None):  # encoded bytes if possible (cheap)
       try:
@@ -185,6 +186,34 @@ def imagenet_c_source(root: str, corruption: str, severity: int) -> FolderSource
   if not os.path.isdir(sev):
     raise UserError(f"{os.path.join(root, corruption)}: severity folder '{severity}' not found")
   return FolderSource(sev)
+
+
+def parse_images_spec(spec: str, flag: str, also: str = "") -> Optional[tuple[str, str]]:
+  """Checks a clean-images value (``--source-data``, ``--clean-data``) before any work: a folder
+  (``<dir>/<wnid>/*.JPEG``) or ``tfds[:<name>[:<split>]]`` (default ``imagenet2012``, ``validation``).
+  ``also`` names the flag's other accepted forms in the error. Returns ``(name, split)`` for TFDS, None for a
+  folder."""
+  if spec == "tfds" or spec.startswith("tfds:"):
+    parts = spec.split(":")
+    if len(parts) > 3 or any(not p for p in parts[1:]):
+      raise UserError(f"{flag} {spec}: expected tfds, tfds:<name> or tfds:<name>:<split>")
+    return (parts[1] if len(parts) > 1 else "imagenet2012", parts[2] if len(parts) > 2 else "validation")
+  if not os.path.isdir(spec):
+    forms = ["a folder", "'tfds[:<name>[:<split>]]'"] + ([also] if also else [])
+    raise UserError(f"{flag} {spec}: not {', '.join(forms[:-1])} or {forms[-1]}")
+  return None
+
+
+def open_images(spec: str, flag: str, tfds_data_dir: Optional[str] = None):
+  """The clean images of `parse_images_spec`'s ``spec`` as a source (`FolderSource` or `TFDSSource`); errors
+  name ``flag``."""
+  tfds_name = parse_images_spec(spec, flag)
+  try:
+    if tfds_name is not None:
+      return TFDSSource(None, None, tfds_data_dir, name=tfds_name[0], split=tfds_name[1])
+    return FolderSource(spec)
+  except UserError as e:  # no class folders, no images, a folder that cannot be listed, a TFDS split typo
+    raise UserError(f"{flag} {spec}: {e}") from None
 
 
 def check_classes(source, num_classes: int, class_subset: Optional[Sequence[int]], where: str) -> None:

@@ -10,6 +10,10 @@ pairs, ``source_id`` indexing the per-corruption sources.
 * ``label_shifts`` -- per corruption, SAR's class-phase sampler (`label_shift_indices`)
   or a SAR index file; not shuffled afterwards (the order *is* the shift).
 * ``bs1`` -- ``normal`` at batch size 1.
+* ``gradual`` -- the continual setting with the severity walked 1 -> 5 -> 1 within each corruption
+  (`GRADUAL`: 9 passes over its images, each shuffled on its own), one model, no reset: the "gradual" setting
+  of RMT (Doebler et al., CVPR 2023; the test-time-adaptation repository's ``gradual``), which resets only
+  before the first corruption. Its sources are the corruptions at severities 1..5 (`gradual_domains`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,22 @@ import numpy as np
 
 from pcsr_jax.errors import UserError
 
-SETTINGS = ("normal", "continual", "mix_shifts", "label_shifts", "bs1")
+SETTINGS = ("normal", "continual", "mix_shifts", "label_shifts", "bs1", "gradual")
+GRADUAL = (1, 2, 3, 4, 5, 4, 3, 2, 1)  # severities of each corruption in turn (RMT's gradual setting)
+SEVERITIES = (1, 2, 3, 4, 5)
+
+
+def gradual_domain(corruption: str, severity: int) -> str:
+  """The domain name of one corruption at one severity in the gradual setting."""
+  return f"{corruption}@{severity}"
+
+
+def split_domain(name: str, severity: float) -> tuple[str, float]:
+  """``(corruption, severity)`` of a domain name: `gradual_domain`'s, or a plain name at ``severity``."""
+  if "@" in name:
+    corruption, sev = name.rsplit("@", 1)
+    return corruption, int(sev)
+  return name, severity
 
 
 @dataclasses.dataclass
@@ -81,6 +100,17 @@ def build(setting: str, sizes: Sequence[int], labels: Sequence[np.ndarray], name
     return rng.permutation(n) if shuffle else np.arange(n)
 
   ids = lambda sid, idx: np.full(len(idx), sid, np.int32)
+  if setting == "gradual":
+    # The sources come as `gradual_domain(c, s)` for s in 1..5, corruption after corruption.
+    index = {name: sid for sid, name in enumerate(names)}
+    corruptions = list(dict.fromkeys(split_domain(n, 0)[0] for n in names))
+    segs = []
+    for c in corruptions:
+      for sev in GRADUAL:
+        sid = index[gradual_domain(c, sev)]
+        idx = order(sizes[sid])
+        segs.append(Segment(names[sid], ids(sid, idx), idx, reset=not segs))
+    return segs
   if setting in ("normal", "bs1", "continual"):
     segs = []
     for sid, (n, name) in enumerate(zip(sizes, names)):

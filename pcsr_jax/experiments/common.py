@@ -19,9 +19,15 @@ def parser(prog: str, description: str, presets: dict) -> ArgumentParser:
   p.add_argument("--dataset", help="imagenet_c (default), imagenet_r, imagenet_a, visda, folder")
   p.add_argument("--methods", help="comma-separated registered methods (source,tent,sar,pcsr,...), or 'all'")
   p.add_argument("--corruptions", help="'all' (the 15), 'heldout' (the 4), or comma-separated names")
-  p.add_argument("--severity", type=int)
+  p.add_argument("--severity", type=severity_arg, help="1..5; with --clean-data (or the built-in benchmark) also a "
+                 "fraction in (0, 5], the severity tables interpolated linearly")
+  p.add_argument("--clean-data", help="generate ImageNet-C in the stream from clean images instead of --data: a clean "
+                 "ImageNet folder (<dir>/<wnid>/*.JPEG, e.g. val) or 'tfds[:<name>[:<split>]]' (default imagenet2012 "
+                 "validation); the release's pipeline (docs/corruption_stream.md)")
+  p.add_argument("--corruption-seed", type=int, help="generated data: the seed of the random corruptions (default 0)")
   p.add_argument("--seeds", help="comma-separated, e.g. 2022,2023,2024")
-  p.add_argument("--setting", help="normal, continual, mix_shifts, label_shifts, bs1")
+  p.add_argument("--setting", help="normal, continual, mix_shifts, label_shifts, bs1, gradual (severity 1 -> 5 -> 1 "
+                 "per corruption, never reset; --severity is not used)")
   p.add_argument("--batch-size", type=int)
   p.add_argument("--output", help="output dir (default: runs/<name>)")
   p.add_argument("--limit", type=int, help="at most N images per corruption (or stream segment)")
@@ -89,6 +95,7 @@ def config_from_args(a, presets: dict, defaults: Optional[dict] = None):
                batch_size=a.batch_size, output=a.output, limit=a.limit, eval_order=a.eval_order,
                checkpoint_every=a.checkpoint_every, workers=a.workers, imbalance_ratio=a.imbalance_ratio,
                label_shift_indices=a.label_shift_indices, tfds_data_dir=a.tfds_data_dir, image_list=a.image_list,
+               clean_data=a.clean_data, corruption_seed=a.corruption_seed,
                source_data=a.source_data, source_images=a.source_images, dtype=a.dtype, attention=a.attention,
                loader=a.loader or "auto", row_chunk=a.row_chunk)
   kw.update({k: v for k, v in flags.items() if v is not None})
@@ -104,11 +111,22 @@ def config_from_args(a, presets: dict, defaults: Optional[dict] = None):
   kw["save_predictions"] = a.save_predictions
   kw["resume"] = a.resume
   kw["progress"] = not a.no_progress
-  for need in ("data", "checkpoint"):
-    if not kw.get(need):
-      raise UserError(f"--{need} is required with --data (or use a preset that sets it)")
+  if not kw.get("data") and not kw.get("clean_data"):
+    raise UserError("--data or --clean-data is required (or use a preset that sets it)")
+  if not kw.get("checkpoint"):
+    raise UserError("--checkpoint is required with --data or --clean-data (or use a preset that sets it)")
+  kw.setdefault("data", None)
   kw.setdefault("output", os.path.join("runs", a.preset or "imagenet_c"))
   return harness.RunConfig(**kw)
+
+
+def severity_arg(text: str):
+  """``--severity``: an int, or a float for a fraction (the harness checks the range for the data)."""
+  try:
+    value = float(text)
+  except ValueError:
+    raise UserError(f"--severity: expected a number, got '{text}'") from None
+  return int(value) if value.is_integer() else value
 
 
 def merge_method_args(base: dict, extra: dict) -> dict:

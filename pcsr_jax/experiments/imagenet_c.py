@@ -75,8 +75,9 @@ def builtin_run(a) -> int:
   out = a.output or os.path.join("runs", "builtin_full" if a.full else "builtin")
   orders = ("before", "after") if a.eval_order == "both" else (a.eval_order,)
   acc = meta.get("training", {}).get("clean_test_accuracy")
+  sev_text = "severities 1..5..1" if a.setting == "gradual" else f"severity {severity}"
   say(f"no --data: built-in benchmark, Fashion-MNIST-C (real Fashion-MNIST test images, CIFAR-10-C-strength "
-        f"corruptions) at severity {severity}, setting {a.setting or 'normal'}; "
+        f"corruptions) at {sev_text}, setting {a.setting or 'normal'}; "
         f"{images:,} images per corruption (the first {images:,} of the 10,000 test images), "
         f"{len(corr)} corruptions, seeds {','.join(map(str, seeds))}, batch {batch}; "
         f"source model {ckpt}" + (f" (clean test accuracy {100 * acc:.2f}%)" if acc is not None else "") +
@@ -95,7 +96,8 @@ def builtin_run(a) -> int:
         shuffle=not a.no_shuffle, save_predictions=a.save_predictions, resume=a.resume,
         checkpoint_every=_given(a.checkpoint_every, 50), workers=a.workers, progress=not a.no_progress,
         source_data=a.source_data, source_images=a.source_images, dtype=a.dtype or "float32",
-        attention=a.attention or "matmul", loader=a.loader or "auto", row_chunk=a.row_chunk)
+        attention=a.attention or "matmul", loader=a.loader or "auto", row_chunk=a.row_chunk,
+        corruption_seed=_given(a.corruption_seed, 0))
     if len(orders) > 1:
       say(f"--- eval order: {order} (every method predicts {order} its update) ---", flush=True)
     results[order] = harness.run(cfg)
@@ -114,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   g.add_argument("--cache-dir", help="where Fashion-MNIST-C is cached (default: ~/.cache/pcsr-jax)")
   a = p.parse_args(argv)
   common.start_devices(a)
-  if a.data is None:
+  if a.data is None and a.clean_data is None:
     return builtin_run(a)
   if a.eval_order == "both":
     raise common.UserError("--eval-order both: only for the built-in benchmark (no --data)")
