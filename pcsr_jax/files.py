@@ -79,3 +79,17 @@ def load_tree(directory: str, template: Any, fmt: str) -> tuple[Any, dict]:
     raise UserError(f"{directory}: saved state is damaged or missing ({type(e).__name__}); rerun without --resume "
                     f"to start over") from None
   return jax.tree.unflatten(treedef, saved), meta
+
+
+def save_trainer(directory: str, trainer: Any, fmt: str, meta: dict) -> None:
+  """A training script's trainer (``host_state()``: its state as host arrays) saved with `save_tree`, its meta
+  marked with the script's state format ``fmt``."""
+  save_tree(directory, trainer.host_state(), dict(meta, format=fmt))
+
+
+def load_trainer(directory: str, trainer: Any, fmt: str) -> dict:
+  """Restores `save_trainer`'s state into ``trainer`` (``load_state(tree)``; a one-line `UserError` if missing,
+  damaged or of another format) and returns its meta."""
+  tree, meta = load_tree(directory, trainer.host_state(), fmt)
+  trainer.load_state(tree)
+  return meta

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from pcsr_jax import checkpoint
+from pcsr_jax import checkpoint, files
 from pcsr_jax.data import fashion_mnist
 from pcsr_jax.errors import UserError
 from pcsr_jax.experiments import builtin, train_ddpm
@@ -70,8 +70,8 @@ def test_resume_refuses_another_run_and_a_damaged_state(tmp_path):
   a = train_ddpm.parse([*TINY, "--out", str(tmp_path / "r")])
   resume = str(tmp_path / "r" / "resume")
   trainer = train_ddpm.Trainer(train_ddpm.unet_config(a), seed=0, lr=a.lr, ema_rate=a.ema_rate)
-  train_ddpm.save_state(resume, trainer, dict(key=train_ddpm.run_key(a), step=1, history=[], partial={},
-                                              sessions=[], seconds=0.0))
+  files.save_trainer(resume, trainer, train_ddpm.FORMAT_STATE, dict(key=train_ddpm.run_key(a), step=1, history=[],
+                                                                    partial={}, sessions=[], seconds=0.0))
   with pytest.raises(UserError, match=r"saved by a run with other settings"):
     _train(tmp_path / "r", "--resume", "--lr", "0.001")
   with open(os.path.join(resume, "state.npz"), "wb") as f:

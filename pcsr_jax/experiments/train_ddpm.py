@@ -200,20 +200,6 @@ def eps_mse(model, params, images, timesteps: Sequence[int], seed: int = 0, batc
   return out
 
 
-def save_state(path: str, trainer: Trainer, meta: dict) -> None:
-  from pcsr_jax import files
-
-  files.save_tree(path, trainer.host_state(), dict(meta, format=FORMAT_STATE))
-
-
-def load_state(path: str, trainer: Trainer) -> dict:
-  from pcsr_jax import files
-
-  tree, meta = files.load_tree(path, trainer.host_state(), FORMAT_STATE)
-  trainer.load_state(tree)
-  return meta
-
-
 def run_key(a) -> str:
   """What a resumed run must share with the saved one: every setting that changes the numbers. Not ``--steps``:
   the learning rate is constant and each step's batch, timesteps and noise depend on the step number alone, so a
@@ -282,7 +268,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   import numpy as np
   from tqdm import tqdm
 
-  from pcsr_jax import checkpoint
+  from pcsr_jax import checkpoint, files
   from pcsr_jax.data import fashion_mnist
 
   jax.config.update("jax_default_matmul_precision", "highest")
@@ -301,7 +287,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   sessions: list = []  # one entry per process that trained: where it started, its code and command
   start, seconds_before = 0, 0.0
   if a.resume:
-    saved = load_state(resume_dir, trainer)
+    saved = files.load_trainer(resume_dir, trainer, FORMAT_STATE)
     if saved.get("key") != key:
       raise UserError(f"--resume: {resume_dir} was saved by a run with other settings; rerun without --resume to "
                       f"start over")
@@ -334,8 +320,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         bar.set_postfix(loss=history[-1]["loss"], mse=history[-1]["mse"])
       if step % a.checkpoint_every == 0 or step == stop:
         sessions[-1]["end_step"] = step
-        save_state(resume_dir, trainer, dict(key=key, step=step, history=history, partial=sums, sessions=sessions,
-                                             seconds=seconds_before + time.time() - t0))
+        files.save_trainer(resume_dir, trainer, FORMAT_STATE, dict(
+            key=key, step=step, history=history, partial=sums, sessions=sessions,
+            seconds=seconds_before + time.time() - t0))
   finally:
     bar.close()
   seconds = seconds_before + time.time() - t0

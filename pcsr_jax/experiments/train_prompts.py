@@ -230,22 +230,6 @@ class Trainer:
 
 
 
-def save_state(path: str, trainer: Trainer, meta: dict) -> None:
-  """The trainer's state (params, teacher, optimizer, center, step) as one npz + json (`files.save_tree`)."""
-  from pcsr_jax import files
-
-  files.save_tree(path, trainer.host_state(), dict(meta, format=FORMAT_STATE))
-
-
-def load_state(path: str, trainer: Trainer) -> dict:
-  """Restores `save_state`'s state into ``trainer`` (one-line error if missing or damaged); returns its json."""
-  from pcsr_jax import files
-
-  tree, meta = files.load_tree(path, trainer.host_state(), FORMAT_STATE)
-  trainer.load_state(tree)
-  return meta
-
-
 def run_key(a, ckpt_digest: str, data_desc: str, n_images: int) -> str:
   """What a resumed run must share with the saved one: every setting that changes the numbers."""
   keep = {k: v for k, v in vars(a).items() if k not in ("resume", "force", "stop_after", "checkpoint_every",
@@ -267,7 +251,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   import numpy as np
   from tqdm import tqdm
 
-  from pcsr_jax import checkpoint, source_stats
+  from pcsr_jax import checkpoint, files, source_stats
   from pcsr_jax.data import sources
   from pcsr_jax.data.loader import Loader
   from pcsr_jax.methods import dept
@@ -294,7 +278,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   history: list = []
   start = 0
   if a.resume:
-    saved = load_state(resume_dir, trainer)
+    saved = files.load_trainer(resume_dir, trainer, FORMAT_STATE)
     if saved.get("key") != key:
       raise UserError(f"--resume: {resume_dir} was saved by a run with other settings, checkpoint or data; rerun "
                       f"without --resume to start over")
@@ -331,7 +315,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           history.append(dict(step=step, epoch=epoch, **{k: round(v / max(count, 1), 5) for k, v in sums.items()}))
           sums = {}
           bar.set_postfix(loss=history[-1]["loss"], acc=history[-1]["accuracy"])
-          save_state(resume_dir, trainer, dict(key=key, step=step, history=history))
+          files.save_trainer(resume_dir, trainer, FORMAT_STATE, dict(key=key, step=step, history=history))
         if step >= stop or step % per_epoch == 0:
           break
   finally:
