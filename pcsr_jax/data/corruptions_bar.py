@@ -1,14 +1,14 @@
 """ImageNet-C-bar's 10 corruptions (Mintun et al. 2021), vectorized over pixels.
 
 The official code (``facebookresearch/augmentation-corruption:imagenet_c_bar/corrupt.py``) evaluates every
-corruption as a Python function per pixel: seconds to minutes per 224 px image. These are the same
+corruption as a Python function per pixel: up to seconds per 224 px image. These are the same
 computations as whole-array numpy operations, equal bit for bit to the official code run on this NumPy
 (`benchmarks/torch_methods/imagenet_c_bar.py` runs it; ``tests/test_corruptions_bar.py`` checks every
-corruption). Measured on one core of the development machine, 224 px, official -> ours:
-caustic_refraction 20 s -> 0.14 s, sparkles 13 s -> 0.11 s, perlin_noise 4.7 s -> 0.12 s, inverse_sparkles
-2.4 s -> 0.03 s, plasma_noise 2.5 s -> 0.03 s, brownish_noise 0.7 s -> 0.03 s, checkerboard_cutout 0.2 s ->
-0.01 s, blue_noise_sample 0.3 s -> 0.01 s, cocentric_sine_waves 0.2 s -> 0.01 s, single_frequency_greyscale
-0.09 s -> 0.003 s.
+corruption). Measured for one 224 px image on one core of the (shared) development machine, official ->
+ours: caustic_refraction 7.4 s -> 0.09 s, sparkles 8.1 s -> 0.08 s, perlin_noise 5.0 s -> 0.19 s,
+plasma_noise 4.6 s -> 0.03 s, inverse_sparkles 1.2 s -> 0.02 s, brownish_noise 1.2 s -> 0.03 s,
+blue_noise_sample 0.48 s -> 0.015 s, checkerboard_cutout 0.41 s -> 0.008 s, cocentric_sine_waves 0.33 s ->
+0.014 s, single_frequency_greyscale 0.08 s -> 0.006 s (25x to 150x).
 
 ``FUNCTIONS[name](x, c)`` takes a square uint8 HxWx3 image (224 px for ImageNet-C-bar; the official code is
 written for any square ``im_size`` and so are these) and ``c``, the csv level of one severity
@@ -21,13 +21,14 @@ seeded once per dataset and generated in 10 workers, so its random draws cannot 
 Departures from the official code:
 - Scalar ``a ** k`` on numpy floats calls libm's ``pow``, while ``array ** k`` takes shortcuts for k = 2,
   0.5, -1 that round differently; `_pow` keeps libm's ``pow`` so results stay identical.
-- perlin_noise: the official generator normalizes a random lattice gradient that can be (0, 0) (about 0.2 % of
+- perlin_noise: the official generator normalizes a random lattice gradient that can be (0, 0) (about 0.1 % of
   images), giving NaN pixels, which ``astype(np.uint8)`` turned into 0 on x86; we return 0 there explicitly.
 - The release ran NumPy 1.19, whose value-based casting did caustic_refraction's bilinear blend of in-image
   pixels in float32 (float32 image times a numpy float64 weight); NumPy >= 2 does it in float64, as here, so
-  a few of its pixels may differ from the release by one level. libm and SIMD math differ across machines at
-  the last bit too; only the JPEG step after the corruption (``make_imagenet_c_bar.py``, quality 85) is
-  applied by the caller.
+  a few of its pixels may differ from the release by one level (libm and SIMD math also differ across
+  machines in the last bit).
+
+The release then saved each image as a quality-85 JPEG (``make_imagenet_c_bar.py``); that step is the caller's.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from scipy.fftpack import ifft2
 from scipy.ndimage import gaussian_filter
 
 from pcsr_jax.data.corruptions import image_seed
+from pcsr_jax.errors import UserError
 
 # imagenet_c_bar.csv, in its order (the order make_imagenet_c_bar.py generates them): severities 1..5.
 TABLES = {
@@ -379,9 +381,9 @@ def corrupt(image: np.ndarray, corruption: str, severity: int, seed: int, index:
   """One square uint8 HxWx3 image -> its corrupted uint8 version (truncated, as the official
   ``astype(np.uint8)``), reproducible from ``(seed, corruption, severity, index)`` alone."""
   if corruption not in FUNCTIONS:
-    raise ValueError(f"unknown ImageNet-C-bar corruption '{corruption}' (known: {', '.join(NAMES)})")
+    raise UserError(f"unknown ImageNet-C-bar corruption '{corruption}' (known: {', '.join(NAMES)})")
   if severity not in (1, 2, 3, 4, 5):
-    raise ValueError(f"severity must be 1..5, got {severity}")
+    raise UserError(f"ImageNet-C-bar severity must be 1..5, got {severity}")
   np.random.seed(image_seed(seed, corruption, severity, index))
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
