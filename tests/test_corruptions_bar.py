@@ -90,3 +90,11 @@ def test_bad_input():
     corruptions_bar.corrupt(x, "sparkles", 6, 0, 0)
   with pytest.raises(ValueError, match="square HxWx3"):
     corruptions_bar.corrupt(x[:, :20], "sparkles", 1, 0, 0)
+
+
+def test_pow_rounds_as_numpy_scalar_power():
+  """The official code squares numpy scalars (libm pow); numpy's array ``** 2`` multiplies instead, which
+  rounds differently for some values."""
+  v = np.random.RandomState(0).rand(5000) * 50
+  for e in (2, 0.5, 1.4, 8.0):
+    assert np.array_equal(corruptions_bar._pow(v, e), np.array([a ** e for a in v])), e

@@ -8,8 +8,10 @@ official order, and ``transform(image, **params)`` evaluating the official per-p
 is the csv level (``CSV``), not 1..5. It is slow (seconds per 224 px image): it is the ground truth that
 `pcsr_jax.data.corruptions_bar` is tested against, on small images.
 
-No changes to the arithmetic. The only edit: ``PerlinNoiseGenerator.s_curve`` is a staticmethod (the official
-calls it through the class, which only works because Python 3 lets a plain function be called that way).
+The arithmetic and the random draws are the official ones, operation for operation. Restructured only: the
+kernels that the official repeats (the Fourier noise of BlueNoiseSample and BrownishNoise, the sparkle kernel
+of Sparkles and InverseSparkles) are shared functions, the per-pixel loops go through ``Transform.pixels``,
+and ``PerlinNoiseGenerator.s_curve`` is a staticmethod (the official calls it through the class).
 The release ran NumPy 1.19; this runs on the installed NumPy (see `pcsr_jax.data.corruptions_bar` for what
 that changes).
 """
