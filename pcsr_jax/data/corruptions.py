@@ -303,7 +303,7 @@ def gaussian_blur(x, c):
 
 
 def glass_blur(x, c):
-  sigma, delta, iters = c
+  sigma, delta, iters = float(c[0]), int(c[1]), int(c[2])  # one numba specialization for every row
   x = np.uint8(_gaussian(x / 255.0, sigma, channel_axis=-1) * 255)
   # Local pixel swaps, loop bounds from the image size (the releases': 32 - delta, 224 - delta), by the
   # library's numba kernel.
