@@ -68,7 +68,9 @@ class CorruptedSource:
   ``clean`` is any project source (`pcsr_jax.data.sources`); this one has its labels, names and class count,
   and ``load(i)`` returns ``jpeg_round_trip(corrupt(release_crop(clean.load(i)), ...))``, a 224 px PIL
   image. ``severity`` in [0, 5], fractions allowed (`corruptions.params`); ``seed`` changes the random draws
-  of every image. Picklable when ``clean`` is (the loader may send it to worker processes).
+  of every image. Picklable when ``clean`` is (the loader may send it to worker processes). Random
+  corruptions hold a per-process lock while they draw from numpy's global generator, so within one process
+  they run one image at a time: the loader's worker processes, not its threads, make them parallel.
   """
 
   def __init__(self, clean: Any, corruption: str, severity: float, seed: int = 0):
