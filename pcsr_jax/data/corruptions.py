@@ -25,6 +25,14 @@ draw from the package's numba generator, seeded from numpy's; impulse noise
 draws from a generator seeded from numpy's (scikit-image no longer uses numpy's
 global one); the CIFAR snow layer is rounded to 8 bits where the release
 truncated (kept so that the built-in benchmark's cached data stays valid).
+The package's own ImageNet-C functions depart from the release where ours do
+not: impulse noise (unseeded), frost (six photos, enlarged 1.1x), elastic
+(rewritten), snow (flakes blurred unquantized, and before trimming a zoomed
+layer larger than the image), spatter's mud (a float64 colour), pixelate
+(NEAREST upsampling) and zoom blur (a corner crop, not a centred trim). With
+the same numpy seed, ours and the package's give the same pixels for gaussian,
+shot and speckle noise, glass and motion blur, fog and watery spatter
+(tests/test_corruptions.py).
 
 Fractional severities (`params`) follow CCC (``oripress/CCC``,
 ``make_imagenet_c.py``): severities 0..5, the rows interpolated linearly
