@@ -1,0 +1,93 @@
+"""ImageNet-C generated in the stream from clean images, the release's way.
+
+Hendrycks' ``make_imagenet_c.py`` made each ImageNet-C image from a clean
+validation image: torchvision ``Resize(256)`` (bilinear, on the PIL image) and
+``CenterCrop(224)``, the corruption at ImageNet strength, ``np.uint8`` (a
+truncation) and a PIL JPEG save at quality 85 with ``optimize=True``.
+`CorruptedSource` does the same in memory, per image: `release_crop`, then
+`corruptions.corrupt` at ``strength="imagenet"``, then `jpeg_round_trip`. For
+the corruptions that draw no random numbers its images equal, bit for bit, what
+a folder written that way reads back (``benchmarks/torch_methods/
+make_imagenet_c.py`` writes one with torchvision and the release's code; the
+tests compare the two). Random corruptions cannot match the release's pixels
+(it drew from numpy's unseeded global generator in 4 workers); here each image
+draws from a seed of ``(seed, corruption, severity, image_key(name))``, so an
+image regenerates alone and the same, whatever the order, ``--limit``, resume
+point or process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from pcsr_jax.data import corruptions, transforms
+
+VERSION = 1  # bump when the output of any image changes (it is part of the harness's resume key)
+CROP, RESIZE, QUALITY = 224, 256, 85
+
+# Resize(256) + CenterCrop(224) is the project's resize-then-crop with crop_pct 224 / 256 and bilinear
+# resampling: the shorter side to 256, the longer one truncated (torchvision's int(256 * long / short)), crop
+# offsets rounded as torchvision's CenterCrop rounds them. Mean and std are unused (`to_uint8` only).
+_CROP = transforms.Preprocess(img_size=CROP, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0), interpolation="bilinear",
+                              crop_pct=CROP / RESIZE)
+
+
+def release_crop(img: Image.Image) -> np.ndarray:
+  """torchvision's ``Resize(256)`` + ``CenterCrop(224)`` of a PIL image (converted to RGB, as the release's
+  loader did): uint8 ``[224, 224, 3]``."""
+  return _CROP.to_uint8(img)
+
+
+def jpeg_round_trip(x: np.ndarray, quality: int = QUALITY) -> Image.Image:
+  """The image that reading back the release's ``Image.fromarray(np.uint8(x)).save(path, quality=85,
+  optimize=True)`` gives, made in memory."""
+  buf = io.BytesIO()
+  Image.fromarray(np.uint8(x)).save(buf, format="JPEG", quality=quality, optimize=True)
+  buf.seek(0)
+  with Image.open(buf) as img:
+    img.load()
+    return img
+
+
+def image_key(name: str) -> int:
+  """A stable 63-bit key of an image's relative name (``n01440764/ILSVRC2012_val_00000293.JPEG``; path
+  separators normalized to ``/``): the index that seeds its random draws. The same image under another name
+  (TFDS lists bare file names) gets other draws."""
+  digest = hashlib.sha256(name.replace("\\", "/").encode()).digest()
+  return int.from_bytes(digest[:8], "big") >> 1
+
+
+class CorruptedSource:
+  """A clean image source seen through one corruption at ImageNet strength: ImageNet-C made on the fly.
+
+  ``clean`` is any project source (`pcsr_jax.data.sources`); this one has its labels, names and class count,
+  and ``load(i)`` returns ``jpeg_round_trip(corrupt(release_crop(clean.load(i)), ...))``, a 224 px PIL
+  image. ``severity`` in [0, 5], fractions allowed (`corruptions.params`); ``seed`` changes the random draws
+  of every image. Picklable when ``clean`` is (the loader may send it to worker processes). Random
+  corruptions hold a per-process lock while they draw from numpy's global generator, so within one process
+  they run one image at a time: the loader's worker processes, not its threads, make them parallel.
+  """
+
+  def __init__(self, clean: Any, corruption: str, severity: float, seed: int = 0):
+    corruptions.params(corruption, severity, "imagenet")  # a one-line UserError for a bad name or severity
+    self.clean, self.corruption, self.severity, self.seed = clean, corruption, float(severity), int(seed)
+    self.labels, self.names = clean.labels, clean.names
+    self.num_label_classes, self.imagenet_labels = clean.num_label_classes, clean.imagenet_labels
+    if hasattr(clean, "paths"):  # `sources.files_digest` then tracks the clean files
+      self.paths = clean.paths
+
+  def __len__(self) -> int:
+    return len(self.clean)
+
+  def load(self, i: int) -> Image.Image:
+    img = self.clean.load(i)
+    if isinstance(img, np.ndarray):
+      img = Image.fromarray(img)
+    x = corruptions.corrupt(release_crop(img), self.corruption, self.severity, self.seed,
+                            image_key(self.names[i]), strength="imagenet")
+    return jpeg_round_trip(x)
