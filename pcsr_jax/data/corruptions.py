@@ -499,8 +499,8 @@ DETERMINISTIC = ("gaussian_blur", "defocus_blur", "zoom_blur", "contrast", "brig
 BATCHED = ("zoom_blur",)  # at CIFAR strength, vectorized over images by `corrupt_batch`
 
 # numpy's global generator is one per process, and the loader decodes in threads: seeding it and drawing from
-# it must not interleave with another image's.
-_RNG_LOCK = threading.Lock()
+# it must not interleave with another image's (`corruptions_bar` holds the same lock).
+RNG_LOCK = threading.Lock()
 
 
 def _severity_code(severity: float) -> int:
@@ -531,7 +531,7 @@ def corrupt(image: np.ndarray, corruption: str, severity: float, seed: int, inde
   fn = FUNCTIONS[strength][corruption]
   if corruption in DETERMINISTIC:
     return np.uint8(np.asarray(fn(x, c)))
-  with _RNG_LOCK, warnings.catch_warnings():
+  with RNG_LOCK, warnings.catch_warnings():
     warnings.simplefilter("ignore")
     np.random.seed(image_seed(seed, corruption, severity, index))
     out = fn(x, c)

@@ -40,6 +40,7 @@ import numpy as np
 from scipy.fftpack import ifft2
 from scipy.ndimage import gaussian_filter
 
+from pcsr_jax.data import corruptions
 from pcsr_jax.data.corruptions import image_seed
 from pcsr_jax.errors import UserError
 
@@ -384,8 +385,9 @@ def corrupt(image: np.ndarray, corruption: str, severity: int, seed: int, index:
     raise UserError(f"unknown ImageNet-C-bar corruption '{corruption}' (known: {', '.join(NAMES)})")
   if severity not in (1, 2, 3, 4, 5):
     raise UserError(f"ImageNet-C-bar severity must be 1..5, got {severity}")
-  np.random.seed(image_seed(seed, corruption, severity, index))
-  with warnings.catch_warnings():
+  # numpy's global generator is shared by the loader's threads: seed and draw under the one lock.
+  with corruptions.RNG_LOCK, warnings.catch_warnings():
     warnings.simplefilter("ignore")
+    np.random.seed(image_seed(seed, corruption, severity, index))
     out = FUNCTIONS[corruption](np.asarray(image, np.uint8), TABLES[corruption][severity - 1])
   return np.uint8(out)

@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
-from pcsr_jax.data import corruptions, imagenet, sources, transforms
+from pcsr_jax.data import corruptions, corruptions_bar, imagenet, sources, transforms
 from pcsr_jax.errors import UserError
 
 Domains = list  # [(domain name, source)]
@@ -75,7 +75,16 @@ def _open_imagenet_c(cfg, log) -> Domains:
     return [(c, generated.CorruptedSource(clean, c, cfg.severity, cfg.corruption_seed)) for c in cfg.corruptions]
   if cfg.data == "tfds":  # TFDS imagenet2012_corrupted, read with tfds.data_source
     return [(c, sources.TFDSSource(c, cfg.severity, cfg.tfds_data_dir)) for c in cfg.corruptions]
-  return [(c, sources.imagenet_c_source(cfg.data, c, cfg.severity)) for c in cfg.corruptions]
+  return [(c, sources.imagenet_c_source(cfg.data, c, cfg.severity, _severity_dir(c, cfg.severity)))
+          for c in cfg.corruptions]
+
+
+def _severity_dir(corruption: str, severity: int) -> str:
+  """The severity folder of a released corruption: ImageNet-C's ``1``..``5``; ImageNet-C-bar names its by
+  the corruption's parameter (``make_imagenet_c_bar.py``: ``"{:.2f}"`` of the csv's value)."""
+  if corruption in corruptions_bar.NAMES:
+    return f"{corruptions_bar.TABLES[corruption][severity - 1]:.2f}"
+  return str(severity)
 
 
 def _open_fmnist_c(cfg, log) -> Domains:
@@ -95,7 +104,8 @@ def _open_visda(cfg, log) -> Domains:
 
 REGISTRY: dict[str, DatasetSpec] = {s.name: s for s in (
     DatasetSpec("imagenet_c", "ImageNet-C", _open_imagenet_c, transforms.imagenet_c_preprocess,
-                corruptions=imagenet.CORRUPTIONS, heldout=imagenet.HELDOUT_CORRUPTIONS),
+                corruptions=imagenet.CORRUPTIONS, heldout=imagenet.HELDOUT_CORRUPTIONS,
+                extra_domains=corruptions_bar.NAMES),  # ImageNet-C-bar: its folders, or generated
     DatasetSpec("imagenet_r", "ImageNet-R", _open_folder, transforms.Preprocess.from_meta, subset="imagenet_r"),
     DatasetSpec("imagenet_a", "ImageNet-A", _open_folder, transforms.Preprocess.from_meta, subset="imagenet_a"),
     DatasetSpec("visda", "VisDA-2021", _open_visda, transforms.visda_preprocess, open_set=True),

@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from pcsr_jax.data import corruptions, transforms
+from pcsr_jax.data import corruptions, corruptions_bar, transforms
+from pcsr_jax.errors import UserError
 
 VERSION = 1  # bump when the output of any image changes (it is part of the harness's resume key)
 CROP, RESIZE, QUALITY = 224, 256, 85
@@ -74,7 +75,12 @@ class CorruptedSource:
   """
 
   def __init__(self, clean: Any, corruption: str, severity: float, seed: int = 0):
-    corruptions.params(corruption, severity, "imagenet")  # a one-line UserError for a bad name or severity
+    if corruption in corruptions_bar.NAMES:  # ImageNet-C-bar: its 5 csv levels, no fractions
+      if float(severity) not in (1, 2, 3, 4, 5):
+        raise UserError(f"--severity {severity:g}: ImageNet-C-bar's {corruption} has severities 1 to 5 only")
+      severity = int(severity)
+    else:
+      corruptions.params(corruption, severity, "imagenet")  # a one-line UserError for a bad name or severity
     self.clean, self.corruption, self.severity, self.seed = clean, corruption, float(severity), int(seed)
     self.labels, self.names = clean.labels, clean.names
     self.num_label_classes, self.imagenet_labels = clean.num_label_classes, clean.imagenet_labels
@@ -84,10 +90,21 @@ class CorruptedSource:
   def __len__(self) -> int:
     return len(self.clean)
 
-  def load(self, i: int) -> Image.Image:
+  @property
+  def describe(self) -> str:
+    """What makes the images besides the clean files: part of the harness's resume key."""
+    return f"generated v{VERSION} {self.corruption} {self.severity:g} seed {self.seed}"
+
+  def corrupted(self, i: int) -> np.ndarray:
+    """Image ``i`` before the JPEG round trip: the uint8 array the release saved."""
     img = self.clean.load(i)
     if isinstance(img, np.ndarray):
       img = Image.fromarray(img)
-    x = corruptions.corrupt(release_crop(img), self.corruption, self.severity, self.seed,
-                            image_key(self.names[i]), strength="imagenet")
-    return jpeg_round_trip(x)
+    key = image_key(self.names[i])
+    if self.corruption in corruptions_bar.NAMES:
+      return corruptions_bar.corrupt(release_crop(img), self.corruption, int(self.severity), self.seed, key)
+    return corruptions.corrupt(release_crop(img), self.corruption, self.severity, self.seed, key,
+                               strength="imagenet")
+
+  def load(self, i: int) -> Image.Image:
+    return jpeg_round_trip(self.corrupted(i))

@@ -174,17 +174,19 @@ def visda_source(root: str, list_file: Optional[str] = None) -> ImageListSource:
   return ImageListSource(root, list_file, open_set=True)
 
 
-def imagenet_c_source(root: str, corruption: str, severity: int) -> FolderSource:
-  """Hendrycks' ImageNet-C layout: ``<root>/<corruption>/<severity>/<wnid>/*.JPEG``."""
+def imagenet_c_source(root: str, corruption: str, severity: int, severity_dir: Optional[str] = None
+                      ) -> FolderSource:
+  """Hendrycks' ImageNet-C layout: ``<root>/<corruption>/<severity>/<wnid>/*.JPEG`` (``severity_dir``: another
+  name of the severity folder, e.g. ImageNet-C-bar's ``0.08``)."""
   if not os.path.isdir(root):
     raise UserError(f"{root}: data dir not found")
   if not listdir(root):
     raise UserError(f"{root}: data dir is empty")
   if not os.path.isdir(os.path.join(root, corruption)):
     raise UserError(f"{root}: corruption folder '{corruption}' not found")
-  sev = os.path.join(root, corruption, str(severity))
+  sev = os.path.join(root, corruption, severity_dir or str(severity))
   if not os.path.isdir(sev):
-    raise UserError(f"{os.path.join(root, corruption)}: severity folder '{severity}' not found")
+    raise UserError(f"{os.path.join(root, corruption)}: severity folder '{severity_dir or severity}' not found")
   return FolderSource(sev)
 
 

@@ -18,7 +18,8 @@ def parser(prog: str, description: str, presets: dict) -> ArgumentParser:
   p.add_argument("--checkpoint", help="a converted checkpoint dir (convert_weights.py)")
   p.add_argument("--dataset", help="imagenet_c (default), imagenet_r, imagenet_a, visda, folder")
   p.add_argument("--methods", help="comma-separated registered methods (source,tent,sar,pcsr,...), or 'all'")
-  p.add_argument("--corruptions", help="'all' (the 15), 'heldout' (the 4), or comma-separated names")
+  p.add_argument("--corruptions", help="'all' (the 15), 'heldout' (the 4), 'bar' (ImageNet-C-bar's 10: its folders "
+                 "<root>/<name>/<level>/, or --clean-data), or comma-separated names")
   p.add_argument("--severity", type=severity_arg, help="1..5; with --clean-data (or the built-in benchmark) also a "
                  "fraction in (0, 5], the severity tables interpolated linearly")
   p.add_argument("--clean-data", help="generate ImageNet-C in the stream from clean images instead of --data: a clean "
@@ -149,10 +150,11 @@ def parse_methods(text: str) -> tuple[str, ...]:
 
 
 def parse_corruptions(text: str) -> tuple[str, ...]:
-  """'all' (the 15), 'heldout' (the 4), or comma-separated names."""
-  from pcsr_jax.data import imagenet
+  """'all' (the 15), 'heldout' (the 4), 'bar' (ImageNet-C-bar's 10), or comma-separated names."""
+  from pcsr_jax.data import corruptions_bar, imagenet
 
-  return {"all": imagenet.CORRUPTIONS, "heldout": imagenet.HELDOUT_CORRUPTIONS}.get(text) or parse_list(text)
+  return {"all": imagenet.CORRUPTIONS, "heldout": imagenet.HELDOUT_CORRUPTIONS,
+          "bar": corruptions_bar.NAMES}.get(text) or parse_list(text)
 
 
 def parse_seeds(text: str) -> tuple[int, ...]:

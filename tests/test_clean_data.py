@@ -1,0 +1,144 @@
+"""`--clean-data`: ImageNet-C generated in the stream, end to end through the harness.
+
+The generator itself (the release's crop, the corruptions, the JPEG round trip) is tested in
+test_generated.py; here: the harness reads a generated stream exactly as it reads the release-way folder, the
+worker processes see the same pixels as the threads, and the flags fail in one line.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import harness_fixtures as hf
+from pcsr_jax import checkpoint, harness
+from pcsr_jax.data import generated, imagenet, sources, transforms
+from pcsr_jax.data.loader import Loader
+from pcsr_jax.errors import UserError
+from pcsr_jax.experiments.imagenet_c import main
+
+SIZES = ((300, 260), (260, 300), (256, 333), (231, 240))  # (width, height): both orientations, odd crops
+
+
+def make_clean(root: str, classes: int = 3, per_class: int = 4, seed: int = 0) -> list[str]:
+  """``<root>/<wnid>/*.JPEG``: smooth images with texture (so blurs and pixelation change them), odd sizes."""
+  rng = np.random.default_rng(seed)
+  wnids = list(imagenet.wnids()[:: 1000 // classes][:classes])
+  for ci, w in enumerate(wnids):
+    os.makedirs(os.path.join(root, w), exist_ok=True)
+    for k in range(per_class):
+      wd, ht = SIZES[(ci + k) % len(SIZES)]
+      yy, xx = np.mgrid[0:ht, 0:wd] / max(wd, ht)
+      base = np.stack([np.sin(6 * xx + ci), np.cos(5 * yy + k), np.sin(4 * (xx + yy))], -1)
+      img = np.clip(127 + 90 * base + rng.normal(0, 12, (ht, wd, 3)), 0, 255).astype(np.uint8)
+      Image.fromarray(img).save(os.path.join(root, w, f"ILSVRC2012_val_{ci * per_class + k:08d}.JPEG"),
+                                quality=92)
+  return wnids
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+  root = tmp_path_factory.mktemp("clean_world")
+  make_clean(str(root / "clean"))
+  hf.make_checkpoint(str(root / "ckpt"))
+  return root
+
+
+def cfg(world, out, **kw):
+  base = dict(data=None, clean_data=str(world / "clean"), checkpoint=str(world / "ckpt"), output=str(out),
+              corruptions=("contrast", "pixelate"), severity=5, seeds=(1,), batch_size=4, progress=False,
+              methods=("source", "tent"), save_predictions=True)
+  base.update(kw)
+  return harness.RunConfig(**base)
+
+
+def predictions(out) -> dict:
+  d = os.path.join(str(out), "predictions")
+  return {f: dict(np.load(os.path.join(d, f))) for f in sorted(os.listdir(d))}
+
+
+@pytest.mark.torch
+def test_stream_equals_the_release_way_folder(world, tmp_path):
+  """The deterministic corruptions: the harness over `--clean-data` gives the same records and per-image
+  predictions, TENT's adaptation included, as over a folder written by the reference of the release's
+  make_imagenet_c.py (torchvision's Resize + CenterCrop, PIL's JPEG quality 85 on disk)."""
+  from benchmarks.torch_methods import make_imagenet_c as release
+
+  corr = ("contrast", "pixelate", "zoom_blur")
+  release.write_release_folder(str(world / "clean"), str(tmp_path / "release"), corr, 5)
+  quiet = lambda *a, **k: None
+  a = harness.run(cfg(world, tmp_path / "stream", corruptions=corr), log=quiet)
+  b = harness.run(cfg(world, tmp_path / "folder", corruptions=corr, clean_data=None, data=str(tmp_path / "release")),
+                  log=quiet)
+  strip = lambda recs: [{k: v for k, v in r.items() if k not in ("seconds",)} for r in recs]
+  assert strip(a["records"]) == strip(b["records"]) and len(a["records"]) == 6
+  pa, pb = predictions(tmp_path / "stream"), predictions(tmp_path / "folder")
+  assert list(pa) == list(pb) and len(pa) == 6
+  for f in pa:
+    for k in ("file_names", "labels", "predictions"):
+      np.testing.assert_array_equal(pa[f][k], pb[f][k], err_msg=f"{f} {k}")
+
+
+def test_worker_processes_generate_the_same_pixels(world):
+  """Random corruptions are keyed per image: decoding in spawned worker processes (each its own numpy RNG)
+  gives the threads' pixels, batch for batch, whatever the order."""
+  meta = checkpoint.load_meta(str(world / "ckpt"), kind="vit")
+  pre = transforms.imagenet_c_preprocess(meta)
+  clean = sources.FolderSource(str(world / "clean"))
+  srcs = [generated.CorruptedSource(clean, c, 3, seed=7) for c in ("gaussian_noise", "frost")]
+  ids = np.repeat([0, 1], len(clean)).astype(np.int32)
+  idx = np.tile(np.arange(len(clean)), 2)
+  perm = np.random.default_rng(0).permutation(len(idx))
+
+  def images(processes, order):
+    loader = Loader(srcs, pre.to_uint8, batch_size=5, workers=2, processes=processes)
+    try:
+      got = [b for b in loader.batches(ids[order], idx[order])]
+    finally:
+      loader.close()
+    names = [f"{t}/{n}" for b in got for t, n in zip(b.tags, b.names)]
+    return dict(zip(names, np.concatenate([b.images for b in got])))
+
+  threads = images(False, np.arange(len(idx)))
+  procs = images(True, perm)
+  assert len(threads) == len(idx) and set(threads) == set(procs)
+  for k in threads:
+    np.testing.assert_array_equal(threads[k], procs[k], err_msg=k)
+  # Another corruption seed draws other noise.
+  other = generated.CorruptedSource(clean, "gaussian_noise", 3, seed=8)
+  assert not np.array_equal(np.asarray(other.load(0)), np.asarray(srcs[0].load(0)))
+
+
+def run_cli(world, out, *flags):
+  return main(["--checkpoint", str(world / "ckpt"), "--output", str(out), "--seeds", "1", "--batch-size", "4",
+               "--no-progress", "--methods", "source", *flags])
+
+
+@pytest.mark.parametrize("match,flags", [
+    ("--clean-data /nowhere: not a folder", ["--clean-data", "/nowhere"]),
+    ("--clean-data tfds:a:b:c: expected tfds", ["--clean-data", "tfds:a:b:c"]),
+    (r"--data and --clean-data: give one", ["--clean-data", "CLEAN", "--data", "CLEAN"]),
+    ("--clean-data generates ImageNet-C: not for --dataset imagenet_r",
+     ["--clean-data", "CLEAN", "--dataset", "imagenet_r"]),
+    (r"--severity: expected a number in \(0, 5\], got 5.5", ["--clean-data", "CLEAN", "--severity", "5.5"]),
+    ("--severity: expected a number, got 'high'", ["--clean-data", "CLEAN", "--severity", "high"]),
+    (r"--severity: expected 1 to 5 \(fractions need generated data", ["--data", "CLEAN", "--severity", "2.5"]),
+    ("--corruptions: unknown corruption 'rain'", ["--clean-data", "CLEAN", "--corruptions", "rain"]),
+])
+def test_bad_flags_fail_in_one_line(world, tmp_path, match, flags):
+  flags = [str(world / "clean") if f == "CLEAN" else f for f in flags]
+  with pytest.raises(UserError, match=match) as e:
+    run_cli(world, tmp_path / "out", *flags)
+  assert "\n" not in str(e.value)
+  assert not os.path.exists(tmp_path / "out" / "results.json")
+
+
+def test_fractional_severity_runs_and_is_recorded(world, tmp_path):
+  """A fraction is a severity of its own (the tables interpolated): it runs, and the records say 2.5."""
+  res = harness.run(cfg(world, tmp_path, corruptions=("brightness",), severity=2.5, methods=("source",)),
+                    log=lambda *a, **k: None)
+  assert [r["severity"] for r in res["records"]] == [2.5] and res["records"][0]["num_samples"] == 12
+  assert os.path.exists(tmp_path / "predictions" / "source_brightness_2.5_seed1.npz")
