@@ -20,7 +20,8 @@ Departures from the official code, all forced or deliberate:
   ``acc(c1, s1, c2, s2) ~ acc_c1(s1) * acc_c2(s2) / acc_clean``. That keeps the calibration at 14 x 20
   evaluations instead of 182 x 440, agrees with the measured curves on the matrix's edges (one severity 0)
   where CCC's walks start and end, and is symmetric in the order while the real composition is not (the
-  second corruption acts on the first's output). Measured on the built-in benchmark: see `pair_matrix`.
+  second corruption acts on the first's output). It overestimates the pair's accuracy: measured on the
+  built-in benchmark, it is 6.4 points too high on average, a smaller error than ``min`` (see `pair_matrix`).
 - **Random numbers.** CCC draws the pairs with Python's ``random``, the images with numpy's global generator
   and the crops with torch's, all seeded once and consumed in order. Here the walk and the images come from
   numpy Generators seeded by ``seed`` (`make_plan`), and every position ``k``'s crop and corruptions from
@@ -119,6 +120,15 @@ def pair_matrix(curves: Mapping[str, np.ndarray], c1: str, c2: str, clean_accura
   ``curves[c1][i] * curves[c2][j] / clean``: each corruption keeps a fraction ``acc_c(s) / clean`` of the
   correct predictions, independently of the other. Row 0 and column 0 are the measured single-corruption
   curves (``curves[c][0]`` is the clean accuracy).
+
+  Measured on the built-in benchmark (``assets/fmnist_vit``, CIFAR-10-C strength, 500 held-out test images,
+  integer severities 1..5 on both corruptions, 10 random ordered pairs of ``NOISES[40]``; the two corruptions
+  applied in turn as `CCCSource` does): against the measured pair accuracies, the product is off by 6.7
+  points on average and always too high (bias +6.4: corruptions compound more than independently, most for
+  contrast with fog, +18), the other simple choice ``min(acc_c1, acc_c2)`` by 9.6 (bias +9.4). The walks
+  `find_path` picks from the product hold the measured accuracy 23.2 points from a 40 % target on average,
+  those it picks from the measured matrices 21.1 (at 20 %, 35.6 and 35.9: there this model stays above the
+  target even at severity 5 for most pairs, and every walk climbs to the top severities).
   """
   if clean_accuracy <= 0:
     raise UserError(f"ccc calibration: clean accuracy {clean_accuracy}% leaves nothing to walk")
@@ -158,7 +168,7 @@ def calibrate(images: np.ndarray, labels: np.ndarray, accuracy_fn: Callable[[np.
           for c in noises}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # arrays inside: compare `digest`s
 class Plan:
   """A CCC stream: its walk steps and, per position, the clean image.
 
@@ -361,7 +371,7 @@ class CCCSource:
     imagenet = self.strength == "imagenet"
     if imagenet:
       rng = np.random.default_rng([self.plan.seed, k, _CROP_KEY])
-      img = img.convert("RGB")
+      img = Image.fromarray(img) if isinstance(img, np.ndarray) else img.convert("RGB")
       if rng.random() < 0.5:  # RandomHorizontalFlip, before the crop as in CCC's Compose
         img = img.transpose(Image.FLIP_LEFT_RIGHT)
       img = random_resized_crop(img, rng)
