@@ -41,7 +41,7 @@ import dataclasses
 import hashlib
 import io
 import json
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 from PIL import Image
