@@ -32,7 +32,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pcsr_jax import checkpoint, distributed, engine, methods, results, source_stats
+from pcsr_jax import ccc_stream, checkpoint, distributed, engine, methods, results, source_stats
 from pcsr_jax.progress import Resume, RunProgress, UnitProgress
 from pcsr_jax.data import datasets, imagenet, sources, streams
 from pcsr_jax.data.loader import Batch, Loader
@@ -77,7 +77,14 @@ class RunConfig:
   images_per_corruption: Optional[int] = None
   fmnist_dir: Optional[str] = None
   cache_dir: Optional[str] = None
-  corruption_seed: int = 0
+  corruption_seed: int = 0  # generated data's random corruptions; CCC's walk
+  # --setting ccc (`pcsr_jax.ccc_stream`): the baseline accuracy (%) the walk holds, images per walk step, the
+  # stream's length (None: CCC's 7.5M, or 15 x --images on the built-in benchmark) and the held-out calibration
+  # images.
+  ccc_target: float = 20
+  ccc_speed: int = 1000
+  ccc_length: Optional[int] = None
+  ccc_calibration_images: int = 500
   # Clean source data for the methods that need statistics of it (EATA, CFA, FOA): see `pcsr_jax.source_stats`.
   # None: the built-in benchmark uses the Fashion-MNIST training set; elsewhere EATA runs as ETA and
   # CFA/FOA are refused.
@@ -123,6 +130,17 @@ class RunConfig:
       sources.parse_images_spec(self.clean_data, "--clean-data")
     elif self.data is None and self.dataset != "fmnist_c":
       raise UserError("--data or --clean-data is required")
+    if self.setting == "ccc":
+      if not (self.dataset == "fmnist_c" or (self.dataset == "imagenet_c" and self.clean_data)):
+        raise UserError("--setting ccc generates its stream from clean images: give --clean-data (ImageNet val), "
+                        "or run the built-in benchmark")
+      num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+      if not (num(self.ccc_target) and 0 <= self.ccc_target <= 100):
+        raise UserError(f"--ccc-target: expected a percentage 0..100 (CCC: 0, 20, 40), got {self.ccc_target}")
+      for flag, v in (("--ccc-speed", self.ccc_speed), ("--ccc-length", self.ccc_length),
+                      ("--ccc-calibration-images", self.ccc_calibration_images)):
+        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+          raise UserError(f"{flag}: expected a positive integer, got {v}")
     if self.setting == "gradual" and not spec.has_severity:
       raise UserError(f"--setting gradual: walks corruption severities; --dataset {self.dataset} has none")
     if spec.has_severity:
@@ -245,6 +263,7 @@ class _Setup:
   plans: dict = dataclasses.field(default_factory=dict)  # method name -> _MethodPlan
   source: Optional[source_stats.SourceData] = None  # --source-data, opened before any work if a method uses it
   ckpt_digest: str = ""  # `checkpoint.params_digest` of the checkpoint: in the resume key and the stats' key
+  ccc: Optional[dict] = None  # --setting ccc: its calibration and walk, for results.json
 
 
 @dataclasses.dataclass
@@ -287,8 +306,14 @@ def _setup(cfg: RunConfig, log) -> _Setup:
   model = model.clone(dtype=compute_dtype(cfg.dtype), attention=cfg.attention)
   ckpt_digest = checkpoint.params_digest(params)  # once: the resume key and every statistics' key use it
   exchange = distributed.Exchange()
-  with exchange.main_first():  # the built-in benchmark's cache is filled by one process
-    domains = _open_domains(spec, cfg, log)
+  preprocess = spec.preprocess(meta)
+  ccc_record = None
+  with exchange.main_first():  # the built-in benchmark's cache (and CCC's calibration) is filled by one process
+    if cfg.setting == "ccc":
+      src, ccc_record = ccc_stream.build(cfg, model, params, meta, preprocess, ckpt_digest, log)
+      domains = [("ccc", src)]
+    else:
+      domains = _open_domains(spec, cfg, log)
   subset = spec.class_subset()
   for name, src in domains:
     sources.check_classes(src, meta["num_classes"], subset, spec.where(cfg, streams.split_domain(name, 0)[0]))
@@ -300,7 +325,6 @@ def _setup(cfg: RunConfig, log) -> _Setup:
     relabel[subset] = np.arange(len(subset))
     num_classes = len(subset)
   plans, source = _plan_methods(cfg, meta, ckpt_digest, log)  # opens and checks --source-data, if used
-  preprocess = spec.preprocess(meta)
   srcs = [s for _, s in domains]
   names = [n for n, _ in domains]
   loader = Loader(srcs, preprocess.to_uint8, cfg.batch_size, workers=cfg.workers)  # uint8: normalized on device
@@ -334,7 +358,7 @@ def _setup(cfg: RunConfig, log) -> _Setup:
     log(f"resuming from {resume.path}: {len(progress.done)} runs done" +
         (f", {u.key} at segment {u.segment} batch {u.batch}" if u else ""))
   setup = _Setup(cfg, spec, model, params, num_classes, names, srcs, relabel, loader, resume, progress,
-                 config_json, decode_ips, exchange, meta, plans, source, ckpt_digest)
+                 config_json, decode_ips, exchange, meta, plans, source, ckpt_digest, ccc_record)
   _load_source_stats(setup, log)
   return setup
 
@@ -450,7 +474,7 @@ def _config_diff(saved: str, now: str) -> list[str]:
   return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
-_PREDICTIONS = re.compile(r"_.+_\d+(\.\d+)?_seed\d+\.npz$")  # `_predictions_file`'s names after the method's
+_PREDICTIONS = re.compile(r"_.+_(\d+(\.\d+)?|None)_seed\d+\.npz$")  # `_predictions_file`'s names after the method's
 
 
 def _predictions_file(out: str, method: str, domain: str, severity: float, seed: int) -> str:
@@ -555,6 +579,8 @@ def _write_outputs(setup: _Setup, log) -> dict:
                throughput=progress.throughput, curves=progress.curves)
   if distributed.is_multiprocess():
     extra["processes"] = jax.process_count()
+  if setup.ccc is not None:
+    extra["ccc"] = setup.ccc
   results.write_json(os.path.join(cfg.output, "results.json"), records, setup.config_json, extra)
   results.write_csv(os.path.join(cfg.output, "results.csv"), records)
   with open(os.path.join(cfg.output, "table.md"), "w") as f:
@@ -580,8 +606,9 @@ def _data_key(srcs: list) -> str:
   h = hashlib.sha256()
   for src in srcs:
     h.update(f"{len(src)} {getattr(src, 'describe', '')}\n".encode())
-    h.update("\n".join(src.names).encode())
-    h.update(np.asarray(src.labels, np.int64).tobytes())
+    base = getattr(src, "clean", src)  # generated data: the clean images' names (CCC's 7.5M come from them)
+    h.update("\n".join(base.names).encode())
+    h.update(np.asarray(base.labels, np.int64).tobytes())
   return h.hexdigest()
 
 
@@ -772,7 +799,7 @@ def _record_segment(setup: _Setup, unit: UnitProgress, seg, method_name: str, se
     if counts is None:
       continue
     correct, total, correct_known, known = counts
-    corruption, severity = streams.split_domain(tag, cfg.severity)
+    corruption, severity = streams.split_domain(tag, None if cfg.setting == "ccc" else cfg.severity)
     rec = dict(method=method_name, setting=cfg.setting, corruption=corruption, severity=severity, seed=seed,
                eval_order=eval_order, accuracy=correct / max(total, 1), num_samples=total,
                num_skipped=unit.skipped, seconds=unit.seconds, resets=resets, source_data=source_used)

@@ -3,7 +3,6 @@ code, the plan's rules and determinism, position-wise regeneration, and the cali
 
 from __future__ import annotations
 
-import inspect
 import pickle
 
 import numpy as np
@@ -14,13 +13,6 @@ from benchmarks.torch_methods import ccc_walk
 from pcsr_jax.data import ccc, corruptions
 from pcsr_jax.data.fmnist_c import ArraySource
 from pcsr_jax.errors import UserError
-
-# The fractional severities and ImageNet strength come with issue 37's corruptions.py (item 2); until they are
-# merged these tests skip. After the merge they run: search for "needs_fractional".
-needs_fractional = pytest.mark.skipif(
-    "strength" not in inspect.signature(corruptions.corrupt).parameters,
-    reason="needs corruptions.corrupt(..., strength=) and fractional severities (issue 37 item 2)")
-
 
 def _curves(noises, clean=80.0, seed=0):
   """Monotone accuracy curves over the grid, from ``clean`` down, one steepness per corruption."""
@@ -81,7 +73,7 @@ def test_noise_lists_are_ccc_lists_in_our_names():
   assert len(ccc.NOISES[40]) == 14 and "jpeg_compression" in ccc.NOISES[40]
   assert "jpeg_compression" not in ccc.NOISES[20] and len(ccc.NOISES[20]) == 13
   assert ccc.NOISES[0] == ("gaussian_noise", "shot_noise", "impulse_noise", "contrast")
-  assert all(c in corruptions.FUNCTIONS for t in ccc.NOISES for c in ccc.NOISES[t])
+  assert all(c in corruptions.ALL for t in ccc.NOISES for c in ccc.NOISES[t])
   assert "brightness" not in ccc.NOISES[40]
   assert ccc.noises_for(30) == ccc.NOISES[20] and ccc.noises_for(10) == ccc.NOISES[0]
   assert len(ccc.GRID) == 21 and ccc.GRID[1] == 0.25 and ccc.GRID[-1] == 5
@@ -251,9 +243,8 @@ def test_imagenet_strength_crop_and_jpeg_without_corruption():
   assert np.array_equal(np.asarray(out), np.asarray(want))
 
 
-@needs_fractional
 def test_fractional_severities_at_both_strengths():
-  """After the merge of the fractional severities: a walk with quarter steps runs at both strengths."""
+  """A walk with quarter steps runs at both strengths."""
   src = _source(8)
   plan = _hand_plan(np.arange(8), [(0, 9, 1, 3), (1, 5, 2, 11)], speed=4)
   stream = ccc.CCCSource(src, plan)
@@ -265,3 +256,76 @@ def test_fractional_severities_at_both_strengths():
   pil.load = lambda i: Image.fromarray(pil.images[i])
   big = ccc.CCCSource(pil, plan, strength="imagenet")
   assert np.array_equal(np.asarray(big.load(2)), np.asarray(big.load(2))) and big.load(2).size == (224, 224)
+
+
+# The harness's CCC (`pcsr_jax.ccc_stream`) on the built-in benchmark: the committed model, a short walk.
+def _builtin_ccc(tmp_path, out, ckpt, **kw):
+  from pcsr_jax import harness
+  from pcsr_jax.experiments import builtin
+
+  cfg = builtin.run_config(str(out), images=64, methods=("source", "tent"), setting="ccc", checkpoint=ckpt,
+                           progress=False, save_predictions=True, ccc_length=192, ccc_speed=64,
+                           ccc_calibration_images=16, **kw)
+  lines = []
+  return harness.run(cfg, log=lines.append), lines
+
+
+def test_harness_ccc_on_the_builtin_benchmark(tmp_path):
+  """`--setting ccc`: the checkpoint calibrated once (cached next to it), the walk streamed in order, one model,
+  the walk and the calibration in results.json; the same walk again from the cache, another walk seed another
+  walk."""
+  import json
+  import shutil
+
+  from pcsr_jax.experiments import builtin
+
+  ckpt = str(tmp_path / "ckpt")  # a copy: its calibration cache starts empty
+  shutil.copytree(builtin.CHECKPOINT, ckpt)
+  res, lines = _builtin_ccc(tmp_path, tmp_path / "a", ckpt)
+  assert any("ccc: calibrating the checkpoint on 16 held-out" in l for l in lines), lines
+  saved = json.loads((tmp_path / "a" / "results.json").read_text())
+  walk, cal = saved["ccc"]["walk"], saved["ccc"]["calibration"]
+  assert [w["start"] for w in walk] == [0, 64, 128] and saved["ccc"]["length"] == 192
+  assert set(cal["curves"]) == set(ccc.NOISES[40]) and all(len(v) == 21 for v in cal["curves"].values())
+  assert all(0 <= x <= 100 for v in cal["curves"].values() for x in v)
+  recs = res["records"]
+  assert [(r["method"], r["corruption"], r["severity"], r["num_samples"]) for r in recs] == \
+      [("source", "ccc", None, 192), ("tent", "ccc", None, 192)]
+  pred = np.load(tmp_path / "a" / "predictions" / "source_ccc_None_seed2022.npz")
+  names = pred["file_names"].tolist()
+  assert names == sorted(names) and names[0].startswith("ccc00000000/")  # the walk's order, not shuffled
+  # Calibration images never appear in the stream.
+  calib, _ = ccc.calibration_split(10000, 16, 0)
+  assert not {f"test_{i:05d}" for i in calib} & {n.split("/")[1] for n in names}
+  again, lines = _builtin_ccc(tmp_path, tmp_path / "b", ckpt)
+  assert any("ccc: calibration from" in l for l in lines) and not any("calibrating" in l for l in lines)
+  assert json.loads((tmp_path / "b" / "results.json").read_text())["ccc"]["walk"] == walk
+  assert [r["accuracy"] for r in again["records"]] == [r["accuracy"] for r in recs]
+  other, _ = _builtin_ccc(tmp_path, tmp_path / "c", ckpt, corruption_seed=1)
+  assert json.loads((tmp_path / "c" / "results.json").read_text())["ccc"]["walk"] != walk
+
+
+@pytest.mark.parametrize("match,kw", [
+    ("--ccc-target: expected a percentage 0..100", dict(ccc_target=150)),
+    ("--ccc-speed: expected a positive integer, got 0", dict(ccc_speed=0)),
+    ("--ccc-calibration-images: expected a positive integer", dict(ccc_calibration_images=-3)),
+])
+def test_harness_ccc_bad_values_fail_in_one_line(tmp_path, match, kw):
+  from pcsr_jax import harness
+  from pcsr_jax.experiments import builtin
+
+  cfg = builtin.run_config(str(tmp_path), images=64, setting="ccc", progress=False, **kw)
+  with pytest.raises(UserError, match=match) as e:
+    harness.run(cfg, log=lambda *a: None)
+  assert "\n" not in str(e.value)
+
+
+def test_harness_ccc_needs_clean_images(tmp_path):
+  import harness_fixtures as hf
+  from pcsr_jax import harness
+
+  hf.make_world(tmp_path, ("fog",), classes=2, per_class=2)
+  cfg = harness.RunConfig(data=str(tmp_path / "data"), checkpoint=str(tmp_path / "ckpt"), output=str(tmp_path / "o"),
+                          corruptions=("fog",), setting="ccc", progress=False)
+  with pytest.raises(UserError, match="--setting ccc generates its stream from clean images: give --clean-data"):
+    harness.run(cfg, log=lambda *a: None)

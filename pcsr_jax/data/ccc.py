@@ -355,8 +355,6 @@ class CCCSource:
     self.names = _Names(clean.names, plan.image)
     self.num_label_classes = clean.num_label_classes
     self.imagenet_labels = clean.imagenet_labels
-    # CIFAR strength is `corruptions.corrupt`'s default: only ImageNet strength is passed.
-    self._strength_kw = {} if strength == "cifar" else {"strength": strength}
     # What generates the stream, for the resume key (the plan's digest covers the calibrated walk).
     self.describe = (f"ccc v{VERSION} target {plan.target:g} speed {plan.speed} seed {plan.seed} length "
                      f"{plan.length} strength {strength} clean {len(clean)} plan {plan.digest()[:16]}")
@@ -378,5 +376,5 @@ class CCCSource:
     x = np.asarray(img, np.uint8)
     for c, s in ((c1, s1), (c2, s2)):
       if s > 0:
-        x = corruptions.corrupt(x, c, _severity(s), self.plan.seed, k, **self._strength_kw)
+        x = corruptions.corrupt(x, c, _severity(s), self.plan.seed, k, strength=self.strength)
     return jpeg_round_trip(Image.fromarray(x)) if imagenet else x

@@ -13,7 +13,9 @@ pairs, ``source_id`` indexing the per-corruption sources.
 * ``gradual`` -- the continual setting with the severity walked 1 -> 5 -> 1 within each corruption
   (`GRADUAL`: 9 passes over its images, each shuffled on its own), one model, no reset: the "gradual" setting
   of RMT (Doebler et al., CVPR 2023; the test-time-adaptation repository's ``gradual``), which resets only
-  before the first corruption. Its sources are the corruptions at severities 1..5 (`gradual_domains`).
+  before the first corruption. Its sources are the corruptions at severities 1..5 (`gradual_domain`).
+* ``ccc`` -- CCC's continuously changing corruptions (`pcsr_jax.ccc_stream`): one source whose order is the
+  walk, streamed as it is (never shuffled), one model.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import numpy as np
 
 from pcsr_jax.errors import UserError
 
-SETTINGS = ("normal", "continual", "mix_shifts", "label_shifts", "bs1", "gradual")
+SETTINGS = ("normal", "continual", "mix_shifts", "label_shifts", "bs1", "gradual", "ccc")
 GRADUAL = (1, 2, 3, 4, 5, 4, 3, 2, 1)  # severities of each corruption in turn (RMT's gradual setting)
 SEVERITIES = (1, 2, 3, 4, 5)
 
@@ -100,6 +102,8 @@ def build(setting: str, sizes: Sequence[int], labels: Sequence[np.ndarray], name
     return rng.permutation(n) if shuffle else np.arange(n)
 
   ids = lambda sid, idx: np.full(len(idx), sid, np.int32)
+  if setting == "ccc":  # the walk's order is the stream
+    return [Segment(names[0], ids(0, np.arange(sizes[0])), np.arange(sizes[0]), reset=True)]
   if setting == "gradual":
     # The sources come as `gradual_domain(c, s)` for s in 1..5, corruption after corruption.
     index = {name: sid for sid, name in enumerate(names)}

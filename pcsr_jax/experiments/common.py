@@ -28,7 +28,16 @@ def parser(prog: str, description: str, presets: dict) -> ArgumentParser:
   p.add_argument("--corruption-seed", type=int, help="generated data: the seed of the random corruptions (default 0)")
   p.add_argument("--seeds", help="comma-separated, e.g. 2022,2023,2024")
   p.add_argument("--setting", help="normal, continual, mix_shifts, label_shifts, bs1, gradual (severity 1 -> 5 -> 1 "
-                 "per corruption, never reset; --severity is not used)")
+                 "per corruption, never reset; --severity is not used), ccc (CCC's continuously changing "
+                 "corruptions, from --clean-data or the built-in benchmark's images)")
+  g = p.add_argument_group("--setting ccc (docs/corruption_stream.md)")
+  g.add_argument("--ccc-target", type=float, help="the baseline accuracy in %% the walk holds: 0, 20 (default), 40 "
+                 "(CCC-Hard, -Medium, -Easy)")
+  g.add_argument("--ccc-speed", type=int, help="images per walk step (CCC: 1000 (default), 2000, 5000)")
+  g.add_argument("--ccc-length", type=int, help="images in the stream (default: CCC's 7,500,000; built-in: 15 x "
+                 "--images)")
+  g.add_argument("--ccc-calibration-images", type=int, help="held-out clean images that calibrate the walk "
+                 "(default 500)")
   p.add_argument("--batch-size", type=int)
   p.add_argument("--output", help="output dir (default: runs/<name>)")
   p.add_argument("--limit", type=int, help="at most N images per corruption (or stream segment)")
@@ -96,7 +105,8 @@ def config_from_args(a, presets: dict, defaults: Optional[dict] = None):
                batch_size=a.batch_size, output=a.output, limit=a.limit, eval_order=a.eval_order,
                checkpoint_every=a.checkpoint_every, workers=a.workers, imbalance_ratio=a.imbalance_ratio,
                label_shift_indices=a.label_shift_indices, tfds_data_dir=a.tfds_data_dir, image_list=a.image_list,
-               clean_data=a.clean_data, corruption_seed=a.corruption_seed,
+               clean_data=a.clean_data, corruption_seed=a.corruption_seed, ccc_target=a.ccc_target,
+               ccc_speed=a.ccc_speed, ccc_length=a.ccc_length, ccc_calibration_images=a.ccc_calibration_images,
                source_data=a.source_data, source_images=a.source_images, dtype=a.dtype, attention=a.attention,
                loader=a.loader or "auto", row_chunk=a.row_chunk)
   kw.update({k: v for k, v in flags.items() if v is not None})

@@ -75,11 +75,14 @@ def builtin_run(a) -> int:
   out = a.output or os.path.join("runs", "builtin_full" if a.full else "builtin")
   orders = ("before", "after") if a.eval_order == "both" else (a.eval_order,)
   acc = meta.get("training", {}).get("clean_test_accuracy")
-  sev_text = "severities 1..5..1" if a.setting == "gradual" else f"severity {severity}"
+  if a.setting == "ccc":  # one walk over the test images (pcsr_jax.ccc_stream)
+    what = (f"CCC's walk of {a.ccc_length or 15 * images:,} images drawn from the 10,000 test images, target "
+            f"{_given(a.ccc_target, 20):g}%, walk seed {_given(a.corruption_seed, 0)}")
+  else:
+    what = (f"{'severities 1..5..1' if a.setting == 'gradual' else f'severity {severity}'}; {images:,} images per "
+            f"corruption (the first {images:,} of the 10,000 test images), {len(corr)} corruptions")
   say(f"no --data: built-in benchmark, Fashion-MNIST-C (real Fashion-MNIST test images, CIFAR-10-C-strength "
-        f"corruptions) at {sev_text}, setting {a.setting or 'normal'}; "
-        f"{images:,} images per corruption (the first {images:,} of the 10,000 test images), "
-        f"{len(corr)} corruptions, seeds {','.join(map(str, seeds))}, batch {batch}; "
+        f"corruptions), setting {a.setting or 'normal'}: {what}; seeds {','.join(map(str, seeds))}, batch {batch}; "
         f"source model {ckpt}" + (f" (clean test accuracy {100 * acc:.2f}%)" if acc is not None else "") +
         (f"; {images} images per corruption because {', '.join(m for m in chosen if m in builtin.METHOD_IMAGES)} "
          f"is slow (--images to change)" if not a.full and a.images is None and images < builtin.DEFAULT_IMAGES
@@ -97,7 +100,9 @@ def builtin_run(a) -> int:
         checkpoint_every=_given(a.checkpoint_every, 50), workers=a.workers, progress=not a.no_progress,
         source_data=a.source_data, source_images=a.source_images, dtype=a.dtype or "float32",
         attention=a.attention or "matmul", loader=a.loader or "auto", row_chunk=a.row_chunk,
-        corruption_seed=_given(a.corruption_seed, 0))
+        corruption_seed=_given(a.corruption_seed, 0),
+        **{k: getattr(a, k) for k in ("ccc_target", "ccc_speed", "ccc_length", "ccc_calibration_images")
+           if getattr(a, k) is not None})
     if len(orders) > 1:
       say(f"--- eval order: {order} (every method predicts {order} its update) ---", flush=True)
     results[order] = harness.run(cfg)
