@@ -103,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   import jax
 
-  from pcsr_jax.data import generated, sources, transforms
+  from pcsr_jax.data import corruptions, generated, sources, transforms
   from pcsr_jax.experiments.common import parse_corruptions
 
   names = parse_corruptions(a.corruptions)
@@ -135,8 +135,9 @@ def main(argv: Sequence[str] | None = None) -> int:
       if device is not None and c in device.DEVICE_CORRUPTIONS:
         if crops is None:
           crop_ips, crops = timed_pass([_CleanCrops(clean)], lambda x: x, a.workers)
-        keys = np.asarray([generated.image_key(n) for n in clean.names], np.uint64)
-        run = lambda: jax.block_until_ready(device.corrupt_batch(crops, c, a.severity, seed=0, keys=keys))
+        keys = np.asarray([generated.image_key(n) for n in clean.names], np.int64)
+        prm = device.params(c, corruptions.params(c, a.severity, "imagenet"), 224, 224)
+        run = lambda: jax.block_until_ready(device.corrupt(crops, c, prm, jax.random.key(0), keys))
         run()  # compile
         t0 = time.perf_counter()
         run()

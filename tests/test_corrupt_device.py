@@ -7,8 +7,9 @@ import jax
 import numpy as np
 import pytest
 
-from benchmarks.device_corruptions import IMAGENET_ROWS, host_corrupt, pil_jpeg, sample_images
+from benchmarks.device_corruptions import host_corrupt, pil_jpeg, sample_images
 from pcsr_jax.data import corrupt_device as cd
+from pcsr_jax.data import corruptions, generated
 from pcsr_jax.errors import UserError
 
 SIZE = 48
@@ -20,7 +21,7 @@ def photos() -> np.ndarray:
 
 
 def _device(x, name, severity, keys=None, quality=None, key=0):
-  p = cd.params(name, IMAGENET_ROWS[name][severity - 1], x.shape[1], x.shape[2])
+  p = cd.params(name, corruptions.params(name, severity, "imagenet"), x.shape[1], x.shape[2])
   keys = np.arange(len(x)) if keys is None else keys
   return np.asarray(cd.corrupt(x, name, p, jax.random.key(key), keys, quality=quality))
 
@@ -35,7 +36,7 @@ def test_jpeg_equals_pil_round_trip(photos, quality):
   odd = np.ascontiguousarray(photos[0, :37, :45])
   for x in (photos, odd[None]):
     got = np.asarray(cd.jpeg(x, quality))
-    np.testing.assert_array_equal(got, np.stack([pil_jpeg(im, quality) for im in x]))
+    np.testing.assert_array_equal(got, np.stack([np.asarray(generated.jpeg_round_trip(im, quality)) for im in x]))
 
 
 @pytest.mark.parametrize("name", ["contrast", "pixelate", "jpeg_compression"])
