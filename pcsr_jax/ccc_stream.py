@@ -7,13 +7,13 @@ A run's CCC stream is made in three parts:
    Fashion-MNIST test images (CIFAR-10-C strength, no crop, no JPEG).
 2. **Calibration** (in place of CCC's published ResNet-50 accuracy matrix, out of reach offline and made for
    another model). ``ccc_calibration_images`` clean images, drawn once with a fixed seed and never streamed,
-   are corrupted by each corruption CCC walks (the 14 of its easiest target, a superset of the others) at
-   every severity of the 0.25 grid, and the run's own checkpoint classifies them: its accuracy curves, from
+   are corrupted by each corruption CCC walks for the target (14 at 40 %, 13 at 20 %, 4 at 0 %) at every
+   severity of the 0.25 grid, and the run's own checkpoint classifies them: its accuracy curves, from
    which `ccc.pair_matrix` estimates every pair's matrix. ImageNet's calibration images are the release's
    centre crops (`generated.release_crop`), corrupted and JPEG-round-tripped as the stream's are. The curves
    are cached next to the checkpoint (``<checkpoint>.source_stats/ccc-calibration-<key>.json``; the key covers
-   the checkpoint's params, the calibration images and the generators' versions), so every seed, target and
-   speed of a checkpoint shares one calibration.
+   the checkpoint's params, the calibration images, the corruptions and the generators' versions), so every
+   walk seed and speed of a checkpoint and target shares one calibration.
 3. **The walk** (`ccc.make_plan`): seeded by ``--corruption-seed`` (CCC's walks 43, 44, 45 are
    ``--corruption-seed 43`` and so on), ``--ccc-target`` (0, 20, 40: CCC-Hard, -Medium, -Easy),
    ``--ccc-speed`` images per walk step, ``--ccc-length`` images (CCC: 7.5M; the built-in default: as many as
@@ -61,9 +61,17 @@ def default_length(cfg) -> int:
 
 
 def _calibration_images(clean, calib: np.ndarray, strength: str) -> np.ndarray:
+  """The clean calibration images as the model sees them uncorrupted: ImageNet's centre crops."""
   if strength == "cifar":
     return np.stack([np.asarray(clean.load(int(i)), np.uint8) for i in calib])
   return np.stack([generated.release_crop(_pil(clean.load(int(i)))) for i in calib])
+
+
+def _clean_fn(strength: str) -> Callable:
+  """What the stream does to an uncorrupted image: ImageNet's JPEG round trip, nothing at CIFAR strength."""
+  if strength == "cifar":
+    return lambda images: images
+  return lambda images: np.stack([np.asarray(generated.jpeg_round_trip(x)) for x in images])
 
 
 def _pil(img):
@@ -112,7 +120,7 @@ def calibrate(cfg, clean, strength: str, model, params, meta: dict, preprocess: 
   calib, pool = ccc.calibration_split(len(clean), cfg.ccc_calibration_images, CALIBRATION_SEED)
   names = [clean.names[int(i)] for i in calib]
   keys = np.asarray([generated.image_key(n) for n in names], np.int64)
-  noises = ccc.NOISES[max(ccc.TARGETS)]  # the largest list: one calibration serves every target
+  noises = ccc.noises_for(cfg.ccc_target)
   desc = dict(version=VERSION, ccc=ccc.VERSION, generated=generated.VERSION, checkpoint=ckpt_digest,
               strength=strength, grid=ccc.GRID.tolist(), noises=list(noises), corruption_seed=cfg.corruption_seed,
               images=hashlib.sha256(json.dumps([names, np.asarray(clean.labels)[calib].tolist()]).encode())
@@ -128,7 +136,7 @@ def calibrate(cfg, clean, strength: str, model, params, meta: dict, preprocess: 
   images = _calibration_images(clean, calib, strength)
   labels = np.asarray(clean.labels)[calib]
   curves = ccc.calibrate(images, labels, _accuracy_fn(model, params, meta, preprocess, cfg.batch_size),
-                         _corrupt_fn(keys, strength, cfg.corruption_seed), noises)
+                         _corrupt_fn(keys, strength, cfg.corruption_seed), noises, clean_fn=_clean_fn(strength))
   out = dict(describe=desc, clean_accuracy=float(next(iter(curves.values()))[0]), images=len(calib),
              curves={c: [round(float(v), 4) for v in a] for c, a in curves.items()})
   files.write_json(path, out, indent=1)

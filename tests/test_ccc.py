@@ -286,7 +286,7 @@ def test_harness_ccc_on_the_builtin_benchmark(tmp_path):
   saved = json.loads((tmp_path / "a" / "results.json").read_text())
   walk, cal = saved["ccc"]["walk"], saved["ccc"]["calibration"]
   assert [w["start"] for w in walk] == [0, 64, 128] and saved["ccc"]["length"] == 192
-  assert set(cal["curves"]) == set(ccc.NOISES[40]) and all(len(v) == 21 for v in cal["curves"].values())
+  assert set(cal["curves"]) == set(ccc.NOISES[20]) and all(len(v) == 21 for v in cal["curves"].values())
   assert all(0 <= x <= 100 for v in cal["curves"].values() for x in v)
   recs = res["records"]
   assert [(r["method"], r["corruption"], r["severity"], r["num_samples"]) for r in recs] == \

@@ -7,6 +7,7 @@ worker processes see the same pixels as the threads, and the flags fail in one l
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -15,7 +16,7 @@ from PIL import Image
 
 import harness_fixtures as hf
 from pcsr_jax import checkpoint, harness
-from pcsr_jax.data import generated, imagenet, sources, transforms
+from pcsr_jax.data import ccc, generated, imagenet, sources, transforms
 from pcsr_jax.data.loader import Loader
 from pcsr_jax.errors import UserError
 from pcsr_jax.experiments.imagenet_c import main
@@ -142,3 +143,45 @@ def test_fractional_severity_runs_and_is_recorded(world, tmp_path):
                     log=lambda *a, **k: None)
   assert [r["severity"] for r in res["records"]] == [2.5] and res["records"][0]["num_samples"] == 12
   assert os.path.exists(tmp_path / "predictions" / "source_brightness_2.5_seed1.npz")
+
+
+def _relabelled_by_the_model(world, root) -> str:
+  """The clean world's images filed under the class the checkpoint predicts for each (as the harness crops
+  it): a random model that is right on every clean image, so that CCC has an accuracy to walk down from."""
+  import shutil
+
+  model, params, meta = checkpoint.load(str(world / "ckpt"), kind="vit")
+  pre = transforms.imagenet_c_preprocess(meta)
+  clean = sources.FolderSource(str(world / "clean"))
+  for i, path in enumerate(clean.paths):
+    x = pre(Image.fromarray(generated.release_crop(clean.load(i))))[None]
+    c = int(np.asarray(model.apply({"params": params}, x)).argmax())
+    os.makedirs(os.path.join(root, imagenet.wnids()[c]), exist_ok=True)
+    shutil.copy(path, os.path.join(root, imagenet.wnids()[c], os.path.basename(path)))
+  return root
+
+
+@pytest.mark.parametrize("setting", ["continual", "mix_shifts", "label_shifts", "bs1", "gradual", "ccc"])
+def test_every_setting_streams_generated_data(world, tmp_path, setting):
+  """--clean-data through every setting (normal: the tests above): records for every domain, nothing read
+  from disk but the clean images. CCC at its 0 % target (4 noise corruptions: a cheap calibration)."""
+  kw = dict(corruptions=("gaussian_noise", "frost"), methods=("tent",), setting=setting, limit=8,
+            save_predictions=False)
+  if setting == "ccc":
+    kw.update(ccc_target=0, ccc_calibration_images=4, ccc_length=16, ccc_speed=8,
+              clean_data=_relabelled_by_the_model(world, str(tmp_path / "clean")))
+  res = harness.run(cfg(world, tmp_path / "out", **kw), log=lambda *a, **k: None)
+  recs = res["records"]
+  if setting == "ccc":
+    assert [(r["corruption"], r["num_samples"]) for r in recs] == [("ccc", 8)]  # --limit caps the walk
+    with open(tmp_path / "out" / "results.json") as f:
+      saved = json.load(f)["ccc"]
+    assert [w["start"] for w in saved["walk"]] == [0, 8] and saved["calibration"]["clean_accuracy"] == 100
+    assert set(saved["walk"][0]["pair"]) <= set(ccc.noises_for(0))
+  elif setting == "gradual":
+    assert len(recs) == 18 and {r["severity"] for r in recs} == {1, 2, 3, 4, 5}
+    assert all(r["num_samples"] == 8 for r in recs)
+  else:
+    assert [r["corruption"] for r in recs] == ["gaussian_noise", "frost"]
+    counts = [r["num_samples"] for r in recs]
+    assert (sum(counts) == 8) if setting == "mix_shifts" else counts == [8, 8], recs  # --limit per segment

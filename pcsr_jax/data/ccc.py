@@ -146,12 +146,14 @@ def calibration_split(n: int, size: int, seed: int) -> tuple[np.ndarray, np.ndar
 
 def calibrate(images: np.ndarray, labels: np.ndarray, accuracy_fn: Callable[[np.ndarray, np.ndarray], float],
               corrupt_fn: Callable[[np.ndarray, str, float], np.ndarray], noises: Sequence[str],
-              grid: np.ndarray = GRID) -> dict[str, np.ndarray]:
+              grid: np.ndarray = GRID, clean_fn: Optional[Callable[[np.ndarray], np.ndarray]] = None
+              ) -> dict[str, np.ndarray]:
   """The model's accuracy (%) under each corruption of ``noises`` alone over ``grid``: ``{c: [len(grid)]}``.
 
   ``images``: the calibration subset, uint8 [n, H, W, 3]; ``accuracy_fn(images, labels)``: the model's
   accuracy in percent (CCC's targets are percentages); ``corrupt_fn(images, corruption, severity)``: the
-  corrupted uint8 images. ``grid[0]`` must be 0, no corruption: the clean accuracy, measured once.
+  corrupted uint8 images. ``grid[0]`` must be 0, no corruption: the clean accuracy, measured once on
+  ``clean_fn(images)`` (what the stream does to an uncorrupted image, e.g. its JPEG round trip; default as is).
   """
   grid = np.asarray(grid, np.float64)
   if grid.ndim != 1 or len(grid) < 2 or grid[0] != 0 or not (np.diff(grid) > 0).all():
@@ -163,7 +165,7 @@ def calibrate(images: np.ndarray, labels: np.ndarray, accuracy_fn: Callable[[np.
       raise ValueError(f"ccc calibration: accuracy {a} at {what} outside 0..100 (a percentage is expected)")
     return a
 
-  clean = accuracy(images, "clean")
+  clean = accuracy(images if clean_fn is None else clean_fn(images), "clean")
   return {c: np.asarray([clean] + [accuracy(corrupt_fn(images, c, float(s)), f"{c} {s}") for s in grid[1:]])
           for c in noises}
 
