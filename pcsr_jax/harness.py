@@ -70,6 +70,10 @@ class RunConfig:
   # ImageNet-C generated in the stream from clean images (`pcsr_jax.data.generated`) instead of --data: a clean
   # ``<dir>/<wnid>/*.JPEG`` folder or ``tfds[:<name>[:<split>]]``, corrupted with ``corruption_seed``.
   clean_data: Optional[str] = None
+  # Where generated data is corrupted: "host" (numpy, the reference), "device" (`corrupt_device`: jitted on the
+  # accelerator, JPEG included) or "auto" (the device on a GPU/TPU when every corruption has a device version);
+  # `validate` resolves "auto", so results.json says which ran.
+  corrupt_on: str = "auto"
   image_list: Optional[str] = None  # visda: the list under --data (None: the official validation list)
   method_args: dict = dataclasses.field(default_factory=dict)  # e.g. {"pcsr": {"lr_dsn": 0.05}}
   progress: bool = True
@@ -130,6 +134,14 @@ class RunConfig:
       sources.parse_images_spec(self.clean_data, "--clean-data")
     elif self.data is None and self.dataset != "fmnist_c":
       raise UserError("--data or --clean-data is required")
+    if self.corrupt_on not in ("auto", "host", "device"):
+      raise UserError(f"--corrupt-on: expected auto, host or device, got '{self.corrupt_on}'")
+    if self.corrupt_on != "host":
+      why = self._no_device_path()
+      if self.corrupt_on == "device" and why:
+        raise UserError(f"--corrupt-on device: {why}")
+      if self.corrupt_on == "auto":
+        self.corrupt_on = "device" if not why and jax.default_backend() in ("gpu", "tpu") else "host"
     if self.setting == "ccc":
       if not (self.dataset == "fmnist_c" or (self.dataset == "imagenet_c" and self.clean_data)):
         raise UserError("--setting ccc generates its stream from clean images: give --clean-data (ImageNet val), "
@@ -179,6 +191,22 @@ class RunConfig:
                           f"its statistics; none given")
     if self.setting == "bs1" and self.batch_size != 1:
       self.batch_size = 1  # the bs1 setting *is* batch size 1
+
+
+  def _no_device_path(self) -> str:
+    """Why this run's data cannot be corrupted on the device ("" if it can)."""
+    from pcsr_jax.data import corrupt_device
+
+    if not self.clean_data:
+      return "the device path corrupts --clean-data's images; give --clean-data"
+    if self.setting in ("mix_shifts", "ccc"):
+      return f"--setting {self.setting} mixes corruptions within a batch; the device path takes one per batch"
+    host = [c for c in self.corruptions if c not in corrupt_device.DEVICE_CORRUPTIONS]
+    if host:
+      return f"{', '.join(host)} {'has' if len(host) == 1 else 'have'} no device version (host only)"
+    if distributed.is_multiprocess():
+      return "one process only (a multi-process run corrupts on the host)"
+    return ""
 
 
 def check_severity(severity, fractional: bool) -> float:
@@ -264,6 +292,7 @@ class _Setup:
   source: Optional[source_stats.SourceData] = None  # --source-data, opened before any work if a method uses it
   ckpt_digest: str = ""  # `checkpoint.params_digest` of the checkpoint: in the resume key and the stats' key
   ccc: Optional[dict] = None  # --setting ccc: its calibration and walk, for results.json
+  corrupters: Optional[list] = None  # --corrupt-on device: one `corrupt_device.BatchCorrupter` per source
 
 
 @dataclasses.dataclass
@@ -327,11 +356,20 @@ def _setup(cfg: RunConfig, log) -> _Setup:
   plans, source = _plan_methods(cfg, meta, ckpt_digest, log)  # opens and checks --source-data, if used
   srcs = [s for _, s in domains]
   names = [n for n, _ in domains]
-  loader = Loader(srcs, preprocess.to_uint8, cfg.batch_size, workers=cfg.workers)  # uint8: normalized on device
+  corrupters = None
+  if cfg.corrupt_on == "device":  # clean crops decoded here, corrupted on the accelerator (`_batches`)
+    from pcsr_jax.data import corrupt_device
+
+    corrupters = [corrupt_device.BatchCorrupter(s.corruption, s.severity, s.seed, preprocess.img_size) for s in srcs]
+    loader = Loader(srcs, _crop_as_is, cfg.batch_size, workers=cfg.workers)
+  else:
+    loader = Loader(srcs, preprocess.to_uint8, cfg.batch_size, workers=cfg.workers)  # uint8: normalized on device
   kind = loader_kind(cfg.loader, loader)
   loader.processes = kind == "processes"
   decode_ips = loader.throughput(min(256, len(srcs[0])))
   origin = f"generated from the clean images {cfg.clean_data}" if cfg.clean_data else f"from {cfg.data}"
+  if cfg.clean_data:
+    origin += f", corrupted on the {cfg.corrupt_on}"
   log(f"data: {cfg.dataset} {origin}: {len(domains)} domain(s), {sum(len(s) for s in srcs):,} images; "
       f"decode + preprocess {decode_ips:.0f} img/s ({loader.workers} {kind})")
 
@@ -358,9 +396,14 @@ def _setup(cfg: RunConfig, log) -> _Setup:
     log(f"resuming from {resume.path}: {len(progress.done)} runs done" +
         (f", {u.key} at segment {u.segment} batch {u.batch}" if u else ""))
   setup = _Setup(cfg, spec, model, params, num_classes, names, srcs, relabel, loader, resume, progress,
-                 config_json, decode_ips, exchange, meta, plans, source, ckpt_digest, ccc_record)
+                 config_json, decode_ips, exchange, meta, plans, source, ckpt_digest, ccc_record, corrupters)
   _load_source_stats(setup, log)
   return setup
+
+
+def _crop_as_is(img) -> np.ndarray:
+  """The device path's loader preprocessing: `generated.CleanCrops` already gives the release's 224 px crop."""
+  return np.asarray(img, np.uint8)
 
 
 def _open_domains(spec: datasets.DatasetSpec, cfg: RunConfig, log) -> list:
@@ -733,7 +776,11 @@ def _batches(setup: _Setup, adapter: engine.Adapter, seg, start_batch: int, stop
   it. One process decodes the whole batch; under `jax.distributed` see `_distributed_batches`."""
   if not distributed.is_multiprocess():
     for b in setup.loader.batches(seg.source_ids, seg.indices, start_batch=start_batch):
-      yield b, (adapter.place(b.images) if len(b.labels) else None), stop.requested
+      placed = adapter.place(b.images) if len(b.labels) else None
+      if placed is not None and setup.corrupters is not None:  # one source per batch (`_no_device_path`)
+        sid = int(b.tags[0])
+        placed = (setup.corrupters[sid](placed[0], setup.srcs[sid].keys(b.names)), placed[1])
+      yield b, placed, stop.requested
     return
   yield from _distributed_batches(setup, adapter, seg, start_batch, stop)
 

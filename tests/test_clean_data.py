@@ -185,3 +185,48 @@ def test_every_setting_streams_generated_data(world, tmp_path, setting):
     assert [r["corruption"] for r in recs] == ["gaussian_noise", "frost"]
     counts = [r["num_samples"] for r in recs]
     assert (sum(counts) == 8) if setting == "mix_shifts" else counts == [8, 8], recs  # --limit per segment
+
+
+def test_device_path_equals_the_host_path_where_exact(world, tmp_path):
+  """--corrupt-on device (here on the CPU backend): for the corruptions the device computes bit for bit
+  (contrast, pixelate, JPEG compression, and the quality-85 round trip of every image) the harness's records
+  and per-image predictions, TENT's adaptation included, equal the host path's."""
+  corr = ("contrast", "pixelate", "jpeg_compression")
+  quiet = lambda *a, **k: None
+  a = harness.run(cfg(world, tmp_path / "host", corruptions=corr, corrupt_on="host"), log=quiet)
+  b = harness.run(cfg(world, tmp_path / "device", corruptions=corr, corrupt_on="device"), log=quiet)
+  strip = lambda recs: [{k: v for k, v in r.items() if k != "seconds"} for r in recs]
+  assert strip(a["records"]) == strip(b["records"]) and len(a["records"]) == 6
+  pa, pb = predictions(tmp_path / "host"), predictions(tmp_path / "device")
+  assert list(pa) == list(pb)
+  for f in pa:
+    np.testing.assert_array_equal(pa[f]["predictions"], pb[f]["predictions"], err_msg=f)
+    np.testing.assert_array_equal(pa[f]["file_names"], pb[f]["file_names"], err_msg=f)
+
+
+def test_device_path_draws_per_image(world, tmp_path):
+  """Random corruptions on the device: each image's draws come from its own key, so Source's prediction of an
+  image does not depend on the batch it came in or the order of the stream."""
+  quiet = lambda *a, **k: None
+  runs = []
+  for bs, seed in ((4, 1), (6, 2)):
+    out = tmp_path / f"bs{bs}"
+    harness.run(cfg(world, out, corruptions=("gaussian_noise",), severity=5, corrupt_on="device", batch_size=bs,
+                    seeds=(seed,), methods=("source",)), log=quiet)
+    (f, p), = predictions(out).items()
+    runs.append(dict(zip(p["file_names"].tolist(), p["predictions"].tolist())))
+  assert runs[0] == runs[1] and len(runs[0]) == 12
+
+
+@pytest.mark.parametrize("match,kw", [
+    ("--corrupt-on device: glass_blur has no device version", dict(corruptions=("glass_blur",))),
+    ("--corrupt-on device: --setting mix_shifts mixes corruptions", dict(setting="mix_shifts")),
+    ("--corrupt-on device: the device path corrupts --clean-data's images", dict(clean_data=None, data="DATA")),
+    ("--corrupt-on: expected auto, host or device", dict(corrupt_on="gpu")),
+])
+def test_device_path_refusals(world, tmp_path, match, kw):
+  kw = {"corrupt_on": "device", **kw}
+  if kw.get("data") == "DATA":
+    kw["data"] = str(world / "clean")
+  with pytest.raises(UserError, match=match):
+    harness.run(cfg(world, tmp_path, **kw), log=lambda *a, **k: None)

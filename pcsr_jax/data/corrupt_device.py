@@ -659,3 +659,36 @@ def corrupt(images: jax.Array, corruption: str, p: tuple, key: jax.Array, image_
     raise ValueError(f"corrupt: {words.shape[0]} image keys for {images.shape[0]} images")
   return _corrupt(images, corruption, p, key, words, jnp.asarray(85 if quality is None else quality, jnp.int32),
                   round_trip=quality is not None)
+
+
+class BatchCorrupter:
+  """The harness's device path (``--corrupt-on device``): a placed batch of clean 224 px crops (uint8, as
+  `generated.CleanCrops` loads them) -> the corrupted, JPEG-round-tripped images, centre-cropped to the
+  model's ``img_size`` as `transforms.imagenet_c_preprocess` crops a 224 px release image (offsets rounded as
+  it rounds them). The stream's key is ``(seed, corruption, severity)``, folded per image with its key, so an
+  image's draws depend on nothing else (not the batch, not the order). Padded rows are corrupted too and
+  masked by the step."""
+
+  def __init__(self, corruption: str, severity: float, seed: int, img_size: int, size: int = 224):
+    import zlib
+
+    from pcsr_jax.data import corruptions
+
+    check_corruption(corruption)
+    if img_size > size:
+      raise UserError(f"--corrupt-on device: the model takes {img_size} px images; the device path crops the "
+                      f"release's {size} px images and cannot resize them (use --corrupt-on host)")
+    self.corruption, self.size, self.img_size = corruption, size, img_size
+    self.params = params(corruption, corruptions.params(corruption, severity, "imagenet"), size, size)
+    code = corruptions.image_seed(seed, corruption, severity, 0)  # the host's seed of (seed, c, s), index 0
+    self.key = jax.random.key(code & 0x7FFFFFFF)
+    self.top = int(round((size - img_size) / 2.0))
+
+  def __call__(self, images: jax.Array, image_keys: np.ndarray) -> jax.Array:
+    n = images.shape[0]
+    keys = np.zeros(n, np.int64)
+    keys[:len(image_keys)] = image_keys
+    out = corrupt(images, self.corruption, self.params, self.key, keys)
+    if self.img_size == self.size:
+      return out
+    return out[:, self.top:self.top + self.img_size, self.top:self.top + self.img_size]

@@ -72,7 +72,8 @@ def _open_imagenet_c(cfg, log) -> Domains:
     from pcsr_jax.data import generated
 
     clean = sources.open_images(cfg.clean_data, "--clean-data", cfg.tfds_data_dir)
-    return [(c, generated.CorruptedSource(clean, c, cfg.severity, cfg.corruption_seed)) for c in cfg.corruptions]
+    kind = generated.CleanCrops if getattr(cfg, "corrupt_on", "host") == "device" else generated.CorruptedSource
+    return [(c, kind(clean, c, cfg.severity, cfg.corruption_seed)) for c in cfg.corruptions]
   if cfg.data == "tfds":  # TFDS imagenet2012_corrupted, read with tfds.data_source
     return [(c, sources.TFDSSource(c, cfg.severity, cfg.tfds_data_dir)) for c in cfg.corruptions]
   return [(c, sources.imagenet_c_source(cfg.data, c, cfg.severity, _severity_dir(c, cfg.severity)))

@@ -108,3 +108,37 @@ class CorruptedSource:
 
   def load(self, i: int) -> Image.Image:
     return jpeg_round_trip(self.corrupted(i))
+
+
+class CleanCrops:
+  """The device path's source (``--corrupt-on device``): `CorruptedSource`'s images before the corruption.
+
+  ``load(i)`` is the release's centre crop of clean image ``i`` (uint8 [224, 224, 3]); the harness corrupts
+  and JPEG-round-trips the placed batch on the accelerator (`corrupt_device.BatchCorrupter`), keyed per image
+  by `image_key` of its name (`keys`). Same labels, names and class count as the clean source.
+  """
+
+  def __init__(self, clean: Any, corruption: str, severity: float, seed: int = 0):
+    from pcsr_jax.data import corrupt_device  # noqa: F401 -- checked here, used on the device
+
+    corruptions.params(corruption, severity, "imagenet")
+    self.clean, self.corruption, self.severity, self.seed = clean, corruption, float(severity), int(seed)
+    self.labels, self.names = clean.labels, clean.names
+    self.num_label_classes, self.imagenet_labels = clean.num_label_classes, clean.imagenet_labels
+    if hasattr(clean, "paths"):
+      self.paths = clean.paths
+
+  @property
+  def describe(self) -> str:
+    return f"generated on the device v{VERSION} {self.corruption} {self.severity:g} seed {self.seed}"
+
+  def __len__(self) -> int:
+    return len(self.clean)
+
+  def load(self, i: int) -> np.ndarray:
+    img = self.clean.load(i)
+    return release_crop(Image.fromarray(img) if isinstance(img, np.ndarray) else img)
+
+  def keys(self, names) -> np.ndarray:
+    """`image_key` of each name, for the device's per-image draws."""
+    return np.asarray([image_key(n) for n in names], np.int64)

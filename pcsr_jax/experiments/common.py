@@ -25,6 +25,9 @@ def parser(prog: str, description: str, presets: dict) -> ArgumentParser:
   p.add_argument("--clean-data", help="generate ImageNet-C in the stream from clean images instead of --data: a clean "
                  "ImageNet folder (<dir>/<wnid>/*.JPEG, e.g. val) or 'tfds[:<name>[:<split>]]' (default imagenet2012 "
                  "validation); the release's pipeline (docs/corruption_stream.md)")
+  p.add_argument("--corrupt-on", choices=["auto", "host", "device"], help="--clean-data: corrupt on the host "
+                 "(numpy, the release's code) or on the accelerator (jitted; docs/corruption_stream.md for the "
+                 "distance); default auto: the device on a GPU/TPU when every corruption has a device version")
   p.add_argument("--corruption-seed", type=int, help="generated data: the seed of the random corruptions (default 0)")
   p.add_argument("--seeds", help="comma-separated, e.g. 2022,2023,2024")
   p.add_argument("--setting", help="normal, continual, mix_shifts, label_shifts, bs1, gradual (severity 1 -> 5 -> 1 "
@@ -105,8 +108,9 @@ def config_from_args(a, presets: dict, defaults: Optional[dict] = None):
                batch_size=a.batch_size, output=a.output, limit=a.limit, eval_order=a.eval_order,
                checkpoint_every=a.checkpoint_every, workers=a.workers, imbalance_ratio=a.imbalance_ratio,
                label_shift_indices=a.label_shift_indices, tfds_data_dir=a.tfds_data_dir, image_list=a.image_list,
-               clean_data=a.clean_data, corruption_seed=a.corruption_seed, ccc_target=a.ccc_target,
-               ccc_speed=a.ccc_speed, ccc_length=a.ccc_length, ccc_calibration_images=a.ccc_calibration_images,
+               clean_data=a.clean_data, corruption_seed=a.corruption_seed, corrupt_on=a.corrupt_on,
+               ccc_target=a.ccc_target, ccc_speed=a.ccc_speed, ccc_length=a.ccc_length,
+               ccc_calibration_images=a.ccc_calibration_images,
                source_data=a.source_data, source_images=a.source_images, dtype=a.dtype, attention=a.attention,
                loader=a.loader or "auto", row_chunk=a.row_chunk)
   kw.update({k: v for k, v in flags.items() if v is not None})
