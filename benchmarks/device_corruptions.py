@@ -1,6 +1,7 @@
 """The device corruptions (``pcsr_jax/data/corrupt_device.py``) against the host path: distance and speed.
 
     python -m benchmarks.device_corruptions --images 100 --severity 3
+    python -m benchmarks.device_corruptions --builtin 2000 --severity 5   # Source's accuracy, host vs device
 
 For each corruption the device path implements, at ImageNet strength (the release's table row), on
 ``--images`` 224 px crops of scikit-image's bundled colour photos (astronaut, chelsea, coffee, rocket,
@@ -77,12 +78,42 @@ def _psnr(a: np.ndarray, b: np.ndarray) -> float:
   return float(np.mean(10 * np.log10(255.0 ** 2 / np.maximum(mse, 1e-10))))
 
 
+def builtin_accuracy(n: int, severity: int, names: Sequence[str]) -> None:
+  """Source's accuracy (the committed built-in model, ``assets/fmnist_vit``) on the first ``n`` Fashion-MNIST
+  test images under each device corruption, host path vs device path, at the built-in benchmark's CIFAR-10-C
+  strength (the device functions with the CIFAR table rows, 32 px, no JPEG, as Fashion-MNIST-C is stored)."""
+  import jax
+
+  from pcsr_jax import checkpoint
+  from pcsr_jax.data import corrupt_device as cd
+  from pcsr_jax.data import corruptions, fashion_mnist, transforms
+  from pcsr_jax.experiments import builtin
+
+  model, params, meta = checkpoint.load(builtin.CHECKPOINT, kind="vit")
+  images, labels = fashion_mnist.load("test")
+  images, labels = images[:n], labels[:n]
+  forward = jax.jit(lambda x: model.apply({"params": params}, x).argmax(-1))
+  table = transforms.normalize_table(meta["mean"], meta["std"])
+  acc = lambda x: 100 * float(np.mean(np.asarray(forward(table[x, np.arange(3)])) == labels))  # noqa: E731
+  print(f"Source ({builtin.CHECKPOINT}) on the first {n} Fashion-MNIST test images, CIFAR-10-C strength, severity "
+        f"{severity}, no JPEG; clean {acc(images):.1f}%\n")
+  print("| corruption | host % | device % | device - host |\n|---|---|---|---|")
+  for name in names:
+    host = corruptions.corrupt_batch(images, name, severity, 0, 0, strength="cifar")
+    prm = cd.params(name, corruptions.params(name, severity, "cifar"), 32, 32)
+    dev = np.asarray(cd.corrupt(images, name, prm, jax.random.key(0), np.arange(n), quality=None))
+    h, d = acc(host), acc(dev)
+    print(f"| {name} | {h:.1f} | {d:.1f} | {d - h:+.1f} |", flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   p = ArgumentParser(prog="device_corruptions.py", description=__doc__.split("\n\n")[0])
   p.add_argument("--images", type=int, default=100, help="224 px images per corruption")
   p.add_argument("--severity", type=int, default=3, help="ImageNet-C severity 1..5")
   p.add_argument("--batch", type=int, default=50, help="device batch size")
   p.add_argument("--corruptions", default="", help="comma-separated subset (default: all device ones)")
+  p.add_argument("--builtin", type=int, metavar="N", help="instead: Source's accuracy on N built-in test images, "
+                 "host vs device (CIFAR-10-C strength)")
   a = p.parse_args(argv)
   if a.images < 1 or a.batch < 1 or not 1 <= a.severity <= 5:
     raise UserError(f"--images and --batch must be positive and --severity 1..5, got {a.images}, {a.batch}, "
@@ -95,6 +126,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   names = [n for n in a.corruptions.split(",") if n] or list(cd.DEVICE_CORRUPTIONS)
   for n in names:
     cd.check_corruption(n)
+  if a.builtin:
+    builtin_accuracy(a.builtin, a.severity, names)
+    return 0
   clean = sample_images(a.images)
   key, keys = jax.random.key(0), np.arange(a.images)
   b = min(a.batch, a.images)

@@ -56,10 +56,11 @@ def jpeg_round_trip(x: np.ndarray, quality: int = QUALITY) -> Image.Image:
 
 
 def image_key(name: str) -> int:
-  """A stable 63-bit key of an image's relative name (``n01440764/ILSVRC2012_val_00000293.JPEG``; path
-  separators normalized to ``/``): the index that seeds its random draws. The same image under another name
-  (TFDS lists bare file names) gets other draws."""
-  digest = hashlib.sha256(name.replace("\\", "/").encode()).digest()
+  """A stable 63-bit key of an image's file name (the last part of ``n01440764/ILSVRC2012_val_00000293.JPEG``,
+  either separator): the index that seeds its random draws. The file name alone, so that a class folder and
+  TFDS (which lists bare file names) give an image the same draws; ImageNet's val file names are unique."""
+  base = name.replace("\\", "/").rsplit("/", 1)[-1]
+  digest = hashlib.sha256(base.encode()).digest()
   return int.from_bytes(digest[:8], "big") >> 1
 
 
