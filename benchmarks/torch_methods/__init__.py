@@ -6,6 +6,9 @@ the official code's semantics. `benchmarks.torch_reference.make_reference` finds
 takes them from a ``source_batches`` argument: a list of NCHW tensors (or ``(images, labels)`` pairs when it needs
 labels), the same images the JAX side's `Method.compute_source_stats` sees.
 
-``guided_unet.py`` is no method: it is guided-diffusion's UNet, the model DDA's reference runs and the one
-`pcsr_jax.models.unet` is checked against.
+Four modules are no method, and define no ``Reference``: ``guided_unet.py`` is guided-diffusion's UNet, the
+model DDA's reference runs and the one `pcsr_jax.models.unet` is checked against; the corruption stream's
+references, written from the official code, are ``make_imagenet_c.py`` (Hendrycks' release: its crop, its
+deterministic corruptions and its folder writer), ``imagenet_c_bar.py`` (ImageNet-C-bar's 10 corruptions, numpy)
+and ``ccc_walk.py`` (CCC's walk search).
 """
