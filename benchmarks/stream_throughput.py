@@ -11,8 +11,9 @@ threads, batches of 64):
   the release's way (the host path's corrupted array, PIL JPEG quality 85), decoded;
 * ``host``: ``--clean-data`` on the host (`generated.CorruptedSource`): decode the clean JPEG, Resize(256) +
   CenterCrop(224), the corruption in numpy, the JPEG round trip;
-* ``device``: the clean 224 px crops decoded on the host, then the corruption and the JPEG round trip as one
-  jitted JAX function on the default device (`corrupt_device`), for the corruptions it has.
+* ``device``: the clean 224 px crops decoded on the host (`generated.CleanCrops`), then the corruption and
+  the JPEG round trip as one jitted JAX function on the default device (`corrupt_device.BatchCorrupter`, as
+  ``--corrupt-on device`` runs them), for the corruptions it has.
 
 ``host / folder`` is what generating costs against reading the 60 GB release; ``device / host`` what the
 device path gains. Without ``--clean-data`` the clean images are generated: ``--images`` JPEGs at 500x375 (the
@@ -63,26 +64,9 @@ def timed_pass(srcs, fn, workers: int) -> tuple[float, np.ndarray]:
   return n / (time.perf_counter() - t0), images
 
 
-class _CleanCrops:
-  """The clean images after the release's Resize(256) + CenterCrop(224): what the device path receives."""
-
-  def __init__(self, clean):
-    self.clean, self.labels, self.names = clean, clean.labels, clean.names
-
-  def __len__(self) -> int:
-    return len(self.clean)
-
-  def load(self, i: int) -> np.ndarray:
-    from pcsr_jax.data import generated
-
-    return generated.release_crop(self.clean.load(i))
-
-
 def write_release_folder(src, root: str) -> None:
   """``src`` (a `generated.CorruptedSource`) written as the release's files: the corrupted uint8 array saved
   with PIL at quality 85 (`CorruptedSource.corrupted`, before the JPEG round trip)."""
-  from pcsr_jax.data import generated
-
   for i, name in enumerate(src.names):
     path = os.path.join(root, name)
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -103,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   import jax
 
-  from pcsr_jax.data import corruptions, generated, sources, transforms
+  from pcsr_jax.data import generated, sources, transforms
   from pcsr_jax.experiments.common import parse_corruptions
 
   names = parse_corruptions(a.corruptions)
@@ -133,11 +117,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"{c}: the host path differs from its own release-way folder (a bug)")
       cells = ["-", "-"]
       if device is not None and c in device.DEVICE_CORRUPTIONS:
+        crop_src = generated.CleanCrops(clean, c, a.severity, seed=0)  # what --corrupt-on device decodes
         if crops is None:
-          crop_ips, crops = timed_pass([_CleanCrops(clean)], lambda x: x, a.workers)
-        keys = np.asarray([generated.image_key(n) for n in clean.names], np.int64)
-        prm = device.params(c, corruptions.params(c, a.severity, "imagenet"), 224, 224)
-        run = lambda: jax.block_until_ready(device.corrupt(crops, c, prm, jax.random.key(0), keys))
+          crop_ips, crops = timed_pass([crop_src], lambda x: x, a.workers)
+        corrupter = device.BatchCorrupter(c, a.severity, 0, img_size=224)  # the harness's device step
+        keys = crop_src.keys(clean.names)
+        run = lambda: jax.block_until_ready(corrupter(jax.numpy.asarray(crops), keys))
         run()  # compile
         t0 = time.perf_counter()
         run()

@@ -30,8 +30,9 @@ from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
+from PIL import Image
 
-from pcsr_jax import files, source_stats
+from pcsr_jax import engine, files, source_stats
 from pcsr_jax.data import ccc, corruptions, generated, sources, transforms
 from pcsr_jax.errors import UserError
 
@@ -64,50 +65,40 @@ def _calibration_images(clean, calib: np.ndarray, strength: str) -> np.ndarray:
   """The clean calibration images as the model sees them uncorrupted: ImageNet's centre crops."""
   if strength == "cifar":
     return np.stack([np.asarray(clean.load(int(i)), np.uint8) for i in calib])
-  return np.stack([generated.release_crop(_pil(clean.load(int(i)))) for i in calib])
+  return np.stack([generated.release_crop(clean.load(int(i))) for i in calib])
 
 
-def _clean_fn(strength: str) -> Callable:
-  """What the stream does to an uncorrupted image: ImageNet's JPEG round trip, nothing at CIFAR strength."""
-  if strength == "cifar":
-    return lambda images: images
-  return lambda images: np.stack([np.asarray(generated.jpeg_round_trip(x)) for x in images])
-
-
-def _pil(img):
-  from PIL import Image
-
-  return Image.fromarray(img) if isinstance(img, np.ndarray) else img
+def _as_streamed(x: np.ndarray, strength: str) -> np.ndarray:
+  """What the stream does to an image after its corruptions: ImageNet's JPEG round trip, nothing at CIFAR
+  strength."""
+  return np.asarray(generated.jpeg_round_trip(x)) if strength == "imagenet" else x
 
 
 def _corrupt_fn(keys: np.ndarray, strength: str, seed: int) -> Callable:
   """``(images, corruption, severity) -> images``: each calibration image as the stream would show it."""
 
   def corrupt(images: np.ndarray, corruption: str, severity: float) -> np.ndarray:
-    out = []
-    for x, k in zip(images, keys):
-      y = corruptions.corrupt(x, corruption, severity, seed, int(k), strength=strength)
-      out.append(np.asarray(generated.jpeg_round_trip(y)) if strength == "imagenet" else y)
-    return np.stack(out)
+    return np.stack([_as_streamed(corruptions.corrupt(x, corruption, severity, seed, int(k), strength=strength),
+                                  strength) for x, k in zip(images, keys)])
 
   return corrupt
 
 
 def _accuracy_fn(model, params, meta: dict, preprocess: transforms.Preprocess, batch_size: int) -> Callable:
-  """``(uint8 images, labels) -> accuracy in %`` of the checkpoint, in batches on the default device."""
+  """``(uint8 images, labels) -> accuracy in %`` of the checkpoint, in batches on the default device, the images
+  normalized there as the engine normalizes them (`engine.normalize_uint8`)."""
   table = transforms.normalize_table(meta["mean"], meta["std"])
-  forward = jax.jit(lambda p, x: model.apply({"params": p}, x).argmax(-1))
+  forward = jax.jit(lambda p, x: model.apply({"params": p}, engine.normalize_uint8(x, table)).argmax(-1))
 
   def accuracy(images: np.ndarray, labels: np.ndarray) -> float:
-    x = np.stack([im if im.shape[:2] == (preprocess.img_size,) * 2 else preprocess.to_uint8(_pil(im))
+    x = np.stack([im if im.shape[:2] == (preprocess.img_size,) * 2 else preprocess.to_uint8(Image.fromarray(im))
                   for im in images])
     correct = 0
     for a in range(0, len(x), batch_size):
       chunk = x[a:a + batch_size]
       pad = batch_size - len(chunk)  # one compiled shape
-      xb = table[np.concatenate([chunk, np.zeros((pad,) + chunk.shape[1:], np.uint8)]), np.arange(3)]
-      pred = np.asarray(forward(params, xb))[:len(chunk)]
-      correct += int((pred == np.asarray(labels)[a:a + len(chunk)]).sum())
+      pred = np.asarray(forward(params, np.concatenate([chunk, np.zeros((pad,) + chunk.shape[1:], np.uint8)])))
+      correct += int((pred[:len(chunk)] == np.asarray(labels)[a:a + len(chunk)]).sum())
     return 100.0 * correct / max(len(x), 1)
 
   return accuracy
@@ -136,7 +127,8 @@ def calibrate(cfg, clean, strength: str, model, params, meta: dict, preprocess: 
   images = _calibration_images(clean, calib, strength)
   labels = np.asarray(clean.labels)[calib]
   curves = ccc.calibrate(images, labels, _accuracy_fn(model, params, meta, preprocess, cfg.batch_size),
-                         _corrupt_fn(keys, strength, cfg.corruption_seed), noises, clean_fn=_clean_fn(strength))
+                         _corrupt_fn(keys, strength, cfg.corruption_seed), noises,
+                         clean_fn=lambda images: np.stack([_as_streamed(x, strength) for x in images]))
   out = dict(describe=desc, clean_accuracy=float(next(iter(curves.values()))[0]), images=len(calib),
              curves={c: [round(float(v), 4) for v in a] for c, a in curves.items()})
   files.write_json(path, out, indent=1)

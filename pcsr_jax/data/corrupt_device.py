@@ -61,7 +61,6 @@ Stay on the host (not in `DEVICE_CORRUPTIONS`):
 from __future__ import annotations
 
 import functools
-import importlib.resources
 from typing import Any, Sequence
 
 import jax
@@ -325,12 +324,9 @@ def _filter_matrix(n: int, sigma: float, mode: str, truncate: float) -> np.ndarr
 @functools.lru_cache(maxsize=None)
 def _frost_photos() -> tuple[jax.Array, jax.Array]:
   """The release's frost photos 1-5 (RGB, full size) in one zero-padded uint8 array, and their sizes."""
-  import cv2
+  from pcsr_jax.data import corruptions
 
-  imgs = []
-  for name in ("frost1.png", "frost2.png", "frost3.png", "frost4.jpg", "frost5.jpg"):
-    with importlib.resources.as_file(importlib.resources.files("imagecorruptions") / "frost" / name) as p:
-      imgs.append(cv2.imread(str(p))[..., ::-1])
+  imgs = [bgr[..., ::-1] for bgr in corruptions.frost_textures(1)[:5]]  # the host path's photos, read once
   hm, wm = max(i.shape[0] for i in imgs), max(i.shape[1] for i in imgs)
   out = np.zeros((len(imgs), hm, wm, 3), np.uint8)
   for k, i in enumerate(imgs):

@@ -54,7 +54,7 @@ class DatasetSpec:
 
   def where(self, cfg, domain: str) -> str:
     """How error messages name a domain: its folder, or the domain name for generated or TFDS data."""
-    if getattr(cfg, "clean_data", None):
+    if cfg.clean_data:
       return f"--clean-data {cfg.clean_data} ({domain})"
     return f"{cfg.data}/{domain}" if self.name != "fmnist_c" and cfg.data != "tfds" else domain
 
@@ -72,7 +72,7 @@ def _open_imagenet_c(cfg, log) -> Domains:
     from pcsr_jax.data import generated
 
     clean = sources.open_images(cfg.clean_data, "--clean-data", cfg.tfds_data_dir)
-    kind = generated.CleanCrops if getattr(cfg, "corrupt_on", "host") == "device" else generated.CorruptedSource
+    kind = generated.CleanCrops if cfg.corrupt_on == "device" else generated.CorruptedSource
     return [(c, kind(clean, c, cfg.severity, cfg.corruption_seed)) for c in cfg.corruptions]
   if cfg.data == "tfds":  # TFDS imagenet2012_corrupted, read with tfds.data_source
     return [(c, sources.TFDSSource(c, cfg.severity, cfg.tfds_data_dir)) for c in cfg.corruptions]

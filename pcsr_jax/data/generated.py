@@ -38,10 +38,10 @@ _CROP = transforms.Preprocess(img_size=CROP, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0
                               crop_pct=CROP / RESIZE)
 
 
-def release_crop(img: Image.Image) -> np.ndarray:
+def release_crop(img: Image.Image | np.ndarray) -> np.ndarray:
   """torchvision's ``Resize(256)`` + ``CenterCrop(224)`` of a PIL image (converted to RGB, as the release's
-  loader did): uint8 ``[224, 224, 3]``."""
-  return _CROP.to_uint8(img)
+  loader did) or of a uint8 HWC array of any size: uint8 ``[224, 224, 3]``."""
+  return _CROP.to_uint8(Image.fromarray(img) if isinstance(img, np.ndarray) else img)
 
 
 def jpeg_round_trip(x: np.ndarray, quality: int = QUALITY) -> Image.Image:
@@ -64,7 +64,25 @@ def image_key(name: str) -> int:
   return int.from_bytes(digest[:8], "big") >> 1
 
 
-class CorruptedSource:
+class _OverClean:
+  """A source over a clean one: its labels, names (and files, for `sources.files_digest`) and class count, and
+  `crop`, the release's centre crop of a clean image."""
+
+  def __init__(self, clean: Any, corruption: str, severity: float, seed: int):
+    self.clean, self.corruption, self.severity, self.seed = clean, corruption, float(severity), int(seed)
+    self.labels, self.names = clean.labels, clean.names
+    self.num_label_classes, self.imagenet_labels = clean.num_label_classes, clean.imagenet_labels
+    if hasattr(clean, "paths"):  # `sources.files_digest` then tracks the clean files
+      self.paths = clean.paths
+
+  def __len__(self) -> int:
+    return len(self.clean)
+
+  def crop(self, i: int) -> np.ndarray:
+    return release_crop(self.clean.load(i))
+
+
+class CorruptedSource(_OverClean):
   """A clean image source seen through one corruption at ImageNet strength: ImageNet-C made on the fly.
 
   ``clean`` is any project source (`pcsr_jax.data.sources`); this one has its labels, names and class count,
@@ -82,14 +100,7 @@ class CorruptedSource:
       severity = int(severity)
     else:
       corruptions.params(corruption, severity, "imagenet")  # a one-line UserError for a bad name or severity
-    self.clean, self.corruption, self.severity, self.seed = clean, corruption, float(severity), int(seed)
-    self.labels, self.names = clean.labels, clean.names
-    self.num_label_classes, self.imagenet_labels = clean.num_label_classes, clean.imagenet_labels
-    if hasattr(clean, "paths"):  # `sources.files_digest` then tracks the clean files
-      self.paths = clean.paths
-
-  def __len__(self) -> int:
-    return len(self.clean)
+    super().__init__(clean, corruption, severity, seed)
 
   @property
   def describe(self) -> str:
@@ -98,20 +109,16 @@ class CorruptedSource:
 
   def corrupted(self, i: int) -> np.ndarray:
     """Image ``i`` before the JPEG round trip: the uint8 array the release saved."""
-    img = self.clean.load(i)
-    if isinstance(img, np.ndarray):
-      img = Image.fromarray(img)
     key = image_key(self.names[i])
     if self.corruption in corruptions_bar.NAMES:
-      return corruptions_bar.corrupt(release_crop(img), self.corruption, int(self.severity), self.seed, key)
-    return corruptions.corrupt(release_crop(img), self.corruption, self.severity, self.seed, key,
-                               strength="imagenet")
+      return corruptions_bar.corrupt(self.crop(i), self.corruption, int(self.severity), self.seed, key)
+    return corruptions.corrupt(self.crop(i), self.corruption, self.severity, self.seed, key, strength="imagenet")
 
   def load(self, i: int) -> Image.Image:
     return jpeg_round_trip(self.corrupted(i))
 
 
-class CleanCrops:
+class CleanCrops(_OverClean):
   """The device path's source (``--corrupt-on device``): `CorruptedSource`'s images before the corruption.
 
   ``load(i)`` is the release's centre crop of clean image ``i`` (uint8 [224, 224, 3]); the harness corrupts
@@ -120,25 +127,15 @@ class CleanCrops:
   """
 
   def __init__(self, clean: Any, corruption: str, severity: float, seed: int = 0):
-    from pcsr_jax.data import corrupt_device  # noqa: F401 -- checked here, used on the device
-
     corruptions.params(corruption, severity, "imagenet")
-    self.clean, self.corruption, self.severity, self.seed = clean, corruption, float(severity), int(seed)
-    self.labels, self.names = clean.labels, clean.names
-    self.num_label_classes, self.imagenet_labels = clean.num_label_classes, clean.imagenet_labels
-    if hasattr(clean, "paths"):
-      self.paths = clean.paths
+    super().__init__(clean, corruption, severity, seed)
 
   @property
   def describe(self) -> str:
     return f"generated on the device v{VERSION} {self.corruption} {self.severity:g} seed {self.seed}"
 
-  def __len__(self) -> int:
-    return len(self.clean)
-
   def load(self, i: int) -> np.ndarray:
-    img = self.clean.load(i)
-    return release_crop(Image.fromarray(img) if isinstance(img, np.ndarray) else img)
+    return self.crop(i)
 
   def keys(self, names) -> np.ndarray:
     """`image_key` of each name, for the device's per-image draws."""
