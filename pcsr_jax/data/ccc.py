@@ -39,14 +39,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import json
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 from PIL import Image
 
-from pcsr_jax.data import corruptions
+from pcsr_jax.data import corruptions, generated
 from pcsr_jax.errors import UserError
 
 VERSION = 1  # bump when the plan or the pixels of a position change (it is part of `CCCSource.describe`)
@@ -303,16 +302,6 @@ def random_resized_crop(img: Image.Image, rng: np.random.Generator, size: int = 
   return img.crop((left, top, left + w, top + h)).resize((size, size), Image.BILINEAR)
 
 
-def jpeg_round_trip(img: Image.Image, quality: int = 85) -> Image.Image:
-  """CCC's storage: PIL JPEG at ``quality`` with ``optimize=True``, decoded back (``optimize`` only
-  re-codes the Huffman tables: the pixels are those of the plain save)."""
-  buf = io.BytesIO()
-  img.save(buf, format="JPEG", quality=quality, optimize=True)
-  buf.seek(0)
-  with Image.open(buf) as out:
-    return out.convert("RGB")
-
-
 class _Names(Sequence):
   """Position k's name, made on demand (a run has 7.5M): ``ccc<k>/<clean image's name>``."""
 
@@ -330,11 +319,6 @@ class _Names(Sequence):
       raise IndexError(k)
     k %= len(self)
     return f"ccc{k:08d}/{self.clean_names[int(self.image[k])]}"
-
-
-def _severity(s: float):
-  """An integral severity as an int (the integer tables' index), a fraction as a float."""
-  return int(s) if float(s).is_integer() else float(s)
 
 
 class CCCSource:
@@ -378,5 +362,5 @@ class CCCSource:
     x = np.asarray(img, np.uint8)
     for c, s in ((c1, s1), (c2, s2)):
       if s > 0:
-        x = corruptions.corrupt(x, c, _severity(s), self.plan.seed, k, strength=self.strength)
-    return jpeg_round_trip(Image.fromarray(x)) if imagenet else x
+        x = corruptions.corrupt(x, c, s, self.plan.seed, k, strength=self.strength)
+    return generated.jpeg_round_trip(x) if imagenet else x  # CCC's storage: quality 85, optimize=True

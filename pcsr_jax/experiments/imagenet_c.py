@@ -49,7 +49,7 @@ def builtin_run(a) -> int:
   import time
 
   from pcsr_jax.experiments import builtin
-  from pcsr_jax import checkpoint, distributed, harness
+  from pcsr_jax import ccc_stream, checkpoint, distributed, harness
   from pcsr_jax.data import corruptions
   from pcsr_jax.errors import UserError
 
@@ -76,8 +76,10 @@ def builtin_run(a) -> int:
   orders = ("before", "after") if a.eval_order == "both" else (a.eval_order,)
   acc = meta.get("training", {}).get("clean_test_accuracy")
   if a.setting == "ccc":  # one walk over the test images (pcsr_jax.ccc_stream)
-    what = (f"CCC's walk of {a.ccc_length or 15 * images:,} images drawn from the 10,000 test images, target "
-            f"{_given(a.ccc_target, 20):g}%, walk seed {_given(a.corruption_seed, 0)}")
+    length = _given(a.ccc_length, ccc_stream.BUILTIN_LENGTH_CORRUPTIONS * images)
+    what = (f"CCC's walk of {length:,} images drawn from the 10,000 test images, target "
+            f"{_given(a.ccc_target, harness.RunConfig.ccc_target):g}%, walk seed "
+            f"{_given(a.corruption_seed, harness.RunConfig.corruption_seed)}")
   else:
     what = (f"{'severities 1..5..1' if a.setting == 'gradual' else f'severity {severity}'}; {images:,} images per "
             f"corruption (the first {images:,} of the 10,000 test images), {len(corr)} corruptions")
@@ -100,9 +102,8 @@ def builtin_run(a) -> int:
         checkpoint_every=_given(a.checkpoint_every, 50), workers=a.workers, progress=not a.no_progress,
         source_data=a.source_data, source_images=a.source_images, dtype=a.dtype or "float32",
         attention=a.attention or "matmul", loader=a.loader or "auto", row_chunk=a.row_chunk,
-        corruption_seed=_given(a.corruption_seed, 0),
-        **{k: getattr(a, k) for k in ("ccc_target", "ccc_speed", "ccc_length", "ccc_calibration_images")
-           if getattr(a, k) is not None})
+        **{k: getattr(a, k) for k in ("corruption_seed", "ccc_target", "ccc_speed", "ccc_length",
+                                      "ccc_calibration_images") if getattr(a, k) is not None})
     if len(orders) > 1:
       say(f"--- eval order: {order} (every method predicts {order} its update) ---", flush=True)
     results[order] = harness.run(cfg)
