@@ -123,11 +123,12 @@ def pair_matrix(curves: Mapping[str, np.ndarray], c1: str, c2: str, clean_accura
   Measured on the built-in benchmark (``assets/fmnist_vit``, CIFAR-10-C strength, 500 held-out test images,
   integer severities 1..5 on both corruptions, 10 random ordered pairs of ``NOISES[40]``; the two corruptions
   applied in turn as `CCCSource` does): against the measured pair accuracies, the product is off by 6.7
-  points on average and always too high (bias +6.4: corruptions compound more than independently, most for
-  contrast with fog, +18), the other simple choice ``min(acc_c1, acc_c2)`` by 9.6 (bias +9.4). The walks
+  points on average and too high in 9 of 10 pairs (bias +6.4: corruptions compound more than independently,
+  most for contrast with fog, +18), the other simple choice ``min(acc_c1, acc_c2)`` by 9.6 (bias +9.4). The walks
   `find_path` picks from the product hold the measured accuracy 23.2 points from a 40 % target on average,
   those it picks from the measured matrices 21.1 (at 20 %, 35.6 and 35.9: there this model stays above the
   target even at severity 5 for most pairs, and every walk climbs to the top severities).
+  ``python -m benchmarks.ccc_pair_matrix`` measures it (``experiments/results/ccc_pair_matrix.txt``).
   """
   if clean_accuracy <= 0:
     raise UserError(f"ccc calibration: clean accuracy {clean_accuracy}% leaves nothing to walk")
