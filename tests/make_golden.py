@@ -1,11 +1,17 @@
-"""Regenerates the golden timm fixtures in tests/golden/ (needs torch + timm).
+"""Regenerates the golden fixtures in tests/golden/: the timm ones (need torch + timm), and the CIFAR-strength
+corruptions of the built-in benchmark (numpy only).
 
-    python -m tests.make_golden
+    python -m tests.make_golden              # all of them
+    python -m tests.make_golden corruptions  # the corruptions only
 
 Each fixture holds a small randomized timm ViT's state dict (``sd/<timm key>``),
 its config, an input batch (NHWC), timm's logits and timm's token features
 after every block (``block_<i>``). `test_golden.py` checks the Flax model
 against them without torch. Deterministic: torch and numpy are seeded.
+
+``cifar_corruptions.npz``: every corruption at CIFAR-10-C strength, severity 3, seed 0, on the first 4
+Fashion-MNIST test images (test-set indices from 500): what `test_corruptions.py` checks the built-in
+benchmark's data against, within a stated tolerance on other machines.
 """
 
 from __future__ import annotations
@@ -46,7 +52,23 @@ def make(name: str, cfg: ViTConfig, seed: int, out_dir: str = GOLDEN_DIR) -> Non
   print(f"{name}: {sum(v.size for k, v in arrays.items() if k.startswith('sd/')):,} params, logits {logits.shape}")
 
 
+CIFAR_CORRUPTIONS = "cifar_corruptions.npz"
+
+
+def make_cifar_corruptions(out_dir: str = GOLDEN_DIR) -> None:
+  from pcsr_jax.data import corruptions, fashion_mnist
+
+  x = fashion_mnist.load("test")[0][:4]
+  np.savez_compressed(os.path.join(out_dir, CIFAR_CORRUPTIONS),
+                      **{c: corruptions.corrupt_batch(x, c, 3, 0, 500) for c in corruptions.ALL})
+  print(f"{CIFAR_CORRUPTIONS}: {len(corruptions.ALL)} corruptions x {len(x)} images")
+
+
 if __name__ == "__main__":
+  import sys
+
   os.makedirs(GOLDEN_DIR, exist_ok=True)
-  for i, (n, c) in enumerate(FIXTURES.items()):
-    make(n, c, seed=i)
+  if sys.argv[1:] != ["corruptions"]:
+    for i, (n, c) in enumerate(FIXTURES.items()):
+      make(n, c, seed=i)
+  make_cifar_corruptions()

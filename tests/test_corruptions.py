@@ -184,7 +184,20 @@ CIFAR_DIGESTS = {
 
 
 def test_cifar_strength_is_unchanged():
+  """The built-in benchmark's corruptions against ``tests/golden/cifar_corruptions.npz`` (``python -m
+  tests.make_golden corruptions``), whose arrays hash to `CIFAR_DIGESTS`, the outputs of the module before
+  ImageNet strength was added. Tolerance, for other machines: at most 1 uint8 level on at most 0.5% of the
+  values, since OpenCV's and the BLAS's CPU-dispatched kernels may round a float a last bit differently and
+  flip a truncation (numpy's seeded draws are the same on every platform). On the machine that made the
+  fixture the outputs are bit-identical."""
+  import os
+
+  from make_golden import CIFAR_CORRUPTIONS, GOLDEN_DIR
+
+  golden = np.load(os.path.join(GOLDEN_DIR, CIFAR_CORRUPTIONS))
+  assert {c: hashlib.sha256(golden[c].tobytes()).hexdigest()[:16] for c in golden.files} == CIFAR_DIGESTS
   x = fashion_mnist.load("test")[0][:4]
-  got = {c: hashlib.sha256(corruptions.corrupt_batch(x, c, 3, 0, 500).tobytes()).hexdigest()[:16]
-         for c in corruptions.ALL}
-  assert got == CIFAR_DIGESTS
+  for c in corruptions.ALL:
+    got = corruptions.corrupt_batch(x, c, 3, 0, 500)
+    diff = np.abs(got.astype(np.int16) - golden[c])
+    assert got.shape == golden[c].shape and diff.max() <= 1 and (diff > 0).mean() <= 0.005, (c, diff.max())
