@@ -9,7 +9,8 @@ its config, an input batch (NHWC), timm's logits and timm's token features
 after every block (``block_<i>``). `test_golden.py` checks the Flax model
 against them without torch. Deterministic: torch and numpy are seeded.
 
-``cifar_corruptions.npz``: every corruption at CIFAR-10-C strength, severity 3, seed 0, on the first 4
+``corruptions/cifar.npz`` (a folder of its own: the ``.npz`` files directly in tests/golden are the timm
+fixtures `golden_fixtures` lists): every corruption at CIFAR-10-C strength, severity 3, seed 0, on the first 4
 Fashion-MNIST test images (test-set indices from 500): what `test_corruptions.py` checks the built-in
 benchmark's data against, within a stated tolerance on other machines.
 """
@@ -52,13 +53,14 @@ def make(name: str, cfg: ViTConfig, seed: int, out_dir: str = GOLDEN_DIR) -> Non
   print(f"{name}: {sum(v.size for k, v in arrays.items() if k.startswith('sd/')):,} params, logits {logits.shape}")
 
 
-CIFAR_CORRUPTIONS = "cifar_corruptions.npz"
+CIFAR_CORRUPTIONS = os.path.join("corruptions", "cifar.npz")
 
 
 def make_cifar_corruptions(out_dir: str = GOLDEN_DIR) -> None:
   from pcsr_jax.data import corruptions, fashion_mnist
 
   x = fashion_mnist.load("test")[0][:4]
+  os.makedirs(os.path.join(out_dir, os.path.dirname(CIFAR_CORRUPTIONS)), exist_ok=True)
   np.savez_compressed(os.path.join(out_dir, CIFAR_CORRUPTIONS),
                       **{c: corruptions.corrupt_batch(x, c, 3, 0, 500) for c in corruptions.ALL})
   print(f"{CIFAR_CORRUPTIONS}: {len(corruptions.ALL)} corruptions x {len(x)} images")

@@ -184,7 +184,7 @@ CIFAR_DIGESTS = {
 
 
 def test_cifar_strength_is_unchanged():
-  """The built-in benchmark's corruptions against ``tests/golden/cifar_corruptions.npz`` (``python -m
+  """The built-in benchmark's corruptions against ``tests/golden/corruptions/cifar.npz`` (``python -m
   tests.make_golden corruptions``), whose arrays hash to `CIFAR_DIGESTS`, the outputs of the module before
   ImageNet strength was added. Tolerance, for other machines: at most 1 uint8 level on at most 0.5% of the
   values, since OpenCV's and the BLAS's CPU-dispatched kernels may round a float a last bit differently and
