@@ -24,7 +24,7 @@ def test_readme_holds_the_two_commands_ci_runs():
   job's command is the other one the README promises."""
   text = _read("README.md")
   indented = re.findall(r"^    (python .*)$", text, flags=re.M)
-  assert [c for c in indented if c.startswith("python -m pytest")][0] == "python -m pytest -q"
+  assert [c for c in indented if c.startswith("python -m pytest")][0] == "python -m pytest -q -n auto --dist loadfile"
   assert "python experiments/imagenet_c.py" in indented
   with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
     assert "python -m pytest" in f.read()

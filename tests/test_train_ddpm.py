@@ -18,9 +18,11 @@ from pcsr_jax.experiments import builtin, train_ddpm
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ASSET = os.path.join(ROOT, "assets", "fmnist_ddpm")
 
-# A one-level UNet (32 channels, attention in the middle block only), 4 steps of 4 images.
+# A one-level UNet (32 channels, attention in the middle block only), 4 steps of 4 images, scored on 16 held-out
+# images (the held-out score dominates the run's time).
 TINY = ["--num-channels", "32", "--channel-mult", "1", "--attention-resolutions", "", "--batch-size", "4",
-        "--steps", "4", "--train-limit", "64", "--log-every", "2", "--checkpoint-every", "2", "--no-progress"]
+        "--steps", "4", "--train-limit", "64", "--log-every", "2", "--checkpoint-every", "2", "--no-progress",
+        "--eval-images", "16"]
 
 
 def _train(out, *extra):
@@ -51,6 +53,7 @@ def test_training_is_deterministic_and_resumes_to_the_same_params(tmp_path):
   rec_a = json.loads((tmp_path / "a" / "record.json").read_text())
   rec_r = json.loads((tmp_path / "r" / "record.json").read_text())
   assert rec_a["params_sha256"] == rec_r["params_sha256"] == checkpoint.params_digest(a)
+  assert rec_a["held_out_eps_mse"] == rec_r["held_out_eps_mse"] and rec_a["held_out_eps_mse"]["images"] == 16
   assert rec_a["history"] == rec_r["history"] and [h["step"] for h in rec_a["history"]] == [2, 4]
   assert all(np.isfinite(h["loss"]) and h["loss"] == pytest.approx(h["mse"] + h["vb"], abs=1e-4)
              for h in rec_a["history"])
@@ -83,6 +86,7 @@ def test_resume_refuses_another_run_and_a_damaged_state(tmp_path):
 @pytest.mark.parametrize("flag, value, match", [
     ("--steps", "0", "--steps: expected a positive integer"),
     ("--ema-rate", "1", "--ema-rate: expected a value in"),
+    ("--eval-images", "0", "--eval-images: expected a positive integer"),
     ("--channel-mult", "1,x", "--channel-mult: expected comma-separated numbers"),
     ("--num-channels", "48", "not a multiple of 32"),
 ])

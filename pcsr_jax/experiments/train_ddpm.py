@@ -85,9 +85,11 @@ def parse(argv: Optional[Sequence[str]]):
   p.add_argument("--log-every", type=int, default=50, help="one point of the loss curve every N steps")
   p.add_argument("--checkpoint-every", type=int, default=100, help="save the state for --resume every N steps")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  p.add_argument("--eval-images", type=int, default=EVAL_IMAGES,
+                 help=f"the record's held-out eps-MSE over the first N test images (default {EVAL_IMAGES})")
   a = p.parse_args(argv)
   for flag in ("steps", "stop_after", "batch_size", "num_channels", "num_res_blocks", "train_limit", "log_every",
-               "checkpoint_every", "num_head_channels"):
+               "checkpoint_every", "num_head_channels", "eval_images"):
     v = getattr(a, flag)
     if v is not None and v < 1:
       raise UserError(f"--{flag.replace('_', '-')}: expected a positive integer, got {v}")
@@ -184,8 +186,9 @@ def eps_mse(model, params, images, timesteps: Sequence[int], seed: int = 0, batc
   s = diffusion.make_schedule(DIFFUSION["diffusion_steps"], DIFFUSION["noise_schedule"])
   c = images.shape[-1]
 
+  # params are an argument, not a closure: closed over they would be baked into the program as constants.
   @jax.jit
-  def err(x0, t, key):
+  def err(params, x0, t, key):
     tt = jnp.full((x0.shape[0],), t, jnp.int32)
     noise = jax.random.normal(key, x0.shape, jnp.float32)
     eps = model.apply({"params": params}, diffusion.q_sample(s, x0, tt, noise), tt)[..., :c]
@@ -195,7 +198,7 @@ def eps_mse(model, params, images, timesteps: Sequence[int], seed: int = 0, batc
   for t in timesteps:
     total = 0.0
     for i in range(0, len(images), batch):
-      total += float(err(jnp.asarray(images[i:i + batch]), t, jax.random.fold_in(jax.random.key(seed), i)))
+      total += float(err(params, jnp.asarray(images[i:i + batch]), t, jax.random.fold_in(jax.random.key(seed), i)))
     out[int(t)] = total / float(np.prod(images.shape))
   return out
 
@@ -203,9 +206,11 @@ def eps_mse(model, params, images, timesteps: Sequence[int], seed: int = 0, batc
 def run_key(a) -> str:
   """What a resumed run must share with the saved one: every setting that changes the numbers. Not ``--steps``:
   the learning rate is constant and each step's batch, timesteps and noise depend on the step number alone, so a
-  shorter run is exactly the start of a longer one, and a run may be resumed with another ``--steps``."""
+  shorter run is exactly the start of a longer one, and a run may be resumed with another ``--steps``. Nor
+  ``--eval-images``: it only scores the finished model."""
   keep = {k: v for k, v in vars(a).items() if k not in ("resume", "force", "stop_after", "checkpoint_every",
-                                                      "no_progress", "out", "fashion_mnist_dir", "steps")}
+                                                      "no_progress", "out", "fashion_mnist_dir", "steps",
+                                                      "eval_images")}
   return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -330,14 +335,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"stopped after step {step} of {a.steps} ({seconds:.0f} s); continue with --resume", flush=True)
     return 0
   ema = jax.device_get(trainer.state["ema"])
-  held_out = x_test[:EVAL_IMAGES].astype(np.float32) / 127.5 - 1.0
+  held_out = x_test[:a.eval_images].astype(np.float32) / 127.5 - 1.0
   mse = eps_mse(trainer.model, ema, held_out, EVAL_TIMESTEPS, seed=a.seed)
   digest = checkpoint.params_digest(ema)
   record = dict(command=reproducing_command(argv), git_commit=sessions[-1]["git_commit"], sessions=sessions,
                 unet=cfg.to_dict(), diffusion=DIFFUSION, seed=a.seed,
                 steps=a.steps, batch_size=a.batch_size, lr=a.lr, weight_decay=0.0, ema_rate=a.ema_rate,
                 train_images=len(x_train), epochs=round(a.steps / per_epoch, 4), n_params=n_params,
-                history=history, held_out_eps_mse=dict(images=EVAL_IMAGES, **{str(t): round(v, 5) for t, v in
+                history=history, held_out_eps_mse=dict(images=len(held_out), **{str(t): round(v, 5) for t, v in
                                                                               mse.items()}),
                 train_seconds=round(seconds, 1), params_sha256=digest)
   meta = checkpoint.make_unet_meta(cfg, DIFFUSION, source="experiments/train_ddpm.py")
