@@ -1,0 +1,79 @@
+"""`experiments/merge_results.py`: runs of different methods over the same stream, merged into one table."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+
+import harness_fixtures as hf
+from pcsr_jax import harness
+from pcsr_jax.errors import UserError
+from pcsr_jax.experiments import merge_results
+
+CORR = ("gaussian_noise", "fog")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  """One real run of Source and TENT over two seeds: its results.json and its own table."""
+  world = hf.make_world(tmp_path_factory.mktemp("world"), CORR, classes=4, per_class=5)
+  out = tmp_path_factory.mktemp("run")
+  res = harness.run(harness.RunConfig(data=str(world / "data"), checkpoint=str(world / "ckpt"), output=str(out),
+                                      corruptions=CORR, seeds=(1, 2), batch_size=8, progress=False,
+                                      methods=("source", "tent")), log=lambda *a: None)
+  return json.loads((out / "results.json").read_text()), res["table"]
+
+
+def _split(data: dict, tmp_path, methods_per_part=(("source",), ("tent",))):
+  """The run's results.json cut into one file per method set, as if each set had been its own run."""
+  paths = []
+  for i, ms in enumerate(methods_per_part):
+    part = copy.deepcopy(data)
+    part["config"]["methods"] = list(ms)
+    part["records"] = [r for r in data["records"] if r["method"] in ms]
+    part["throughput"] = {k: v for k, v in data["throughput"].items() if k.split("/")[0] in ms}
+    d = tmp_path / f"part{i}"
+    d.mkdir()
+    (d / "results.json").write_text(json.dumps(part))
+    paths.append(str(d))
+  return paths
+
+
+def test_merged_table_is_the_single_runs_table_plus_img_per_s(run, tmp_path, capsys):
+  data, table = run
+  paths = _split(data, tmp_path)
+  assert merge_results.main([*paths, "--output", str(tmp_path / "t.md")]) == 0
+  merged = (tmp_path / "t.md").read_text()
+  assert capsys.readouterr().out == merged
+  got, want = merged.strip().split("\n"), table.strip().split("\n")
+  assert len(got) == len(want) == 4 and "±" in want[2]  # header, rule, two methods with a spread over 2 seeds
+  for g, w in zip(got, want):
+    cells = g.rstrip(" |").rsplit("|", 1)
+    assert cells[0] + "|" == w  # every accuracy cell as the run's own table has it
+  for line, m in zip(got[2:], ("source", "tent")):
+    ips = [u["images_per_s"] for k, u in data["throughput"].items() if k.startswith(m + "/")]
+    assert len(ips) == 2 and line.endswith(f" {np.median(ips):.0f} |")
+
+
+def test_runs_of_another_stream_or_the_same_method_twice_are_refused(run, tmp_path):
+  data, _ = run
+  a, b = _split(data, tmp_path)
+  other = json.loads((tmp_path / "part1" / "results.json").read_text())
+  other["config"]["severity"] = 3
+  (tmp_path / "part1" / "results.json").write_text(json.dumps(other))
+  with pytest.raises(UserError, match=r"part1/results.json: severity is 3, but .*part0/results.json has 5"):
+    merge_results.main([a, b])
+  with pytest.raises(UserError, match=r"method source is also in"):
+    merge_results.main([a, a])
+  data_incomplete = dict(data, complete=False)
+  (tmp_path / "inc.json").write_text(json.dumps(data_incomplete))
+  with pytest.raises(UserError, match=r"inc.json: the run is not complete; finish it with --resume first"):
+    merge_results.main([str(tmp_path / "inc.json")])
+  with pytest.raises(UserError, match=r"nowhere: not found; expected a finished run.s folder or its results.json"):
+    merge_results.main([str(tmp_path / "nowhere")])
+  (tmp_path / "bad.json").write_text("[1, 2]")
+  with pytest.raises(UserError, match=r"bad.json: expected a run's results.json with 'config' and 'records'"):
+    merge_results.main([str(tmp_path / "bad.json")])
