@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import csv
 import os
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -28,13 +28,15 @@ def write_csv(path: str, records: Sequence[dict]) -> None:
       w.writerow(r)
 
 
-def table(records: Sequence[dict], corruptions: Sequence[str], methods: Sequence[str]) -> str:
+def table(records: Sequence[dict], corruptions: Sequence[str], methods: Sequence[str],
+          extra: tuple[str, Mapping[str, str]] | None = None) -> str:
   """Markdown in the layout of the paper's Table 1: methods as rows, corruptions + Avg as columns,
   accuracy (%) as mean ± std over seeds (population std). A corruption with several records per seed (the gradual
-  setting's severities) counts their mean."""
+  setting's severities) counts their mean. ``extra``: one more column after Avg., ``(header, {method: cell})``."""
   cols = list(corruptions)
   head = "| Method | " + " | ".join(SHORT_NAMES.get(c, c) for c in cols) + " | Avg. |"
-  lines = [head, "|" + "---|" * (len(cols) + 2)]
+  head += f" {extra[0]} |" if extra else ""
+  lines = [head, "|" + "---|" * (len(cols) + 2 + bool(extra))]
   for m in methods:
     rs = [r for r in records if r["method"] == m]
     if not rs:
@@ -47,7 +49,8 @@ def table(records: Sequence[dict], corruptions: Sequence[str], methods: Sequence
       v = [per_seed[s][c] for s in seeds if c in per_seed[s]]
       cells.append(fmt_mean_std(v))
     avgs = [np.mean([per_seed[s][c] for c in cols]) for s in seeds if all(c in per_seed[s] for c in cols)]
-    lines.append(f"| {m} | " + " | ".join(cells) + f" | {fmt_mean_std(avgs)} |")
+    more = f" {extra[1][m]} |" if extra else ""
+    lines.append(f"| {m} | " + " | ".join(cells) + f" | {fmt_mean_std(avgs)} |" + more)
   return "\n".join(lines) + "\n"
 
 

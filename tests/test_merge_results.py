@@ -75,5 +75,5 @@ def test_runs_of_another_stream_or_the_same_method_twice_are_refused(run, tmp_pa
   with pytest.raises(UserError, match=r"nowhere: not found; expected a finished run.s folder or its results.json"):
     merge_results.main([str(tmp_path / "nowhere")])
   (tmp_path / "bad.json").write_text("[1, 2]")
-  with pytest.raises(UserError, match=r"bad.json: expected a run's results.json with 'config' and 'records'"):
+  with pytest.raises(UserError, match=r"bad.json: expected a run's results.json with 'config', 'records' and 'throughput'"):
     merge_results.main([str(tmp_path / "bad.json")])

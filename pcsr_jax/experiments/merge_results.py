@@ -35,8 +35,9 @@ def load(run: str) -> dict:
     raise UserError(f"{path}: not found; expected a finished run's folder or its results.json") from None
   except (OSError, ValueError) as e:
     raise UserError(f"{path}: not a readable results.json ({e})") from None
-  if not isinstance(out, dict) or not isinstance(out.get("records"), list) or not isinstance(out.get("config"), dict):
-    raise UserError(f"{path}: expected a run's results.json with 'config' and 'records'")
+  if not isinstance(out, dict) or not all(isinstance(out.get(k), t) for k, t in (("config", dict), ("records", list),
+                                                                                   ("throughput", dict))):
+    raise UserError(f"{path}: expected a run's results.json with 'config', 'records' and 'throughput'")
   if not out.get("complete", False):
     raise UserError(f"{path}: the run is not complete; finish it with --resume first")
   out["path"] = path
@@ -44,13 +45,8 @@ def load(run: str) -> dict:
 
 
 def images_per_s(run: dict, method: str) -> float:
-  """Median over the method's (method, seed) units of images/s (the harness's ``throughput``); from its records'
-  images and seconds when the run has none."""
-  units = [u["images_per_s"] for k, u in run.get("throughput", {}).items() if k.split("/", 1)[0] == method]
-  if units:
-    return float(np.median(units))
-  rs = [r for r in run["records"] if r["method"] == method]
-  return sum(r["num_samples"] for r in rs) / sum(r["seconds"] for r in rs)
+  """Median over the method's (method, seed) units of images/s (the harness's ``throughput``, one per unit)."""
+  return float(np.median([u["images_per_s"] for k, u in run["throughput"].items() if k.split("/", 1)[0] == method]))
 
 
 def merge(runs: Sequence[dict]) -> str:
@@ -68,12 +64,8 @@ def merge(runs: Sequence[dict]) -> str:
         raise UserError(f"{run['path']}: method {m} is also in {owner[m]['path']}; each method from one run")
       owner[m] = run
   records = [r for run in runs for r in run["records"]]
-  lines = results.table(records, first["config"]["corruptions"], list(owner)).rstrip("\n").split("\n")
-  out = [lines[0] + " img/s |", lines[1] + "---|"]
-  for line in lines[2:]:
-    m = line.split("|")[1].strip()
-    out.append(line + f" {images_per_s(owner[m], m):.0f} |")
-  return "\n".join(out) + "\n"
+  ips = {m: f"{images_per_s(run, m):.0f}" for m, run in owner.items()}
+  return results.table(records, first["config"]["corruptions"], list(owner), extra=("img/s", ips))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
