@@ -14,7 +14,8 @@ peak memory: device peak on a GPU, the process's peak RSS on the CPU.
 ``--rounds R`` runs each framework's subprocess R times, alternating which goes
 first, and keeps each framework's fastest round: on a shared CPU one run's
 figures can move by 10-30% (a slow spell of the machine), and the spell then
-lands on one round, not on one framework's only figure.
+lands on one round, not on one framework's only figure. It also prints each round's own ratio (the two
+workers of a round run back to back) and their median, which a drift between rounds does not move.
 A method that cannot run without arguments gets them from `benchmarks.method_args`, the same on both sides
 (DePT-G: freshly initialised prompts and DINO heads of the official size; DDA: a small freshly initialised
 guided-diffusion UNet, 32 px, at the official step counts; only the shapes matter to speed).
@@ -30,6 +31,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -338,6 +340,12 @@ def fastest_rounds(runs: dict[str, list[dict]]) -> dict[str, dict]:
   return out
 
 
+def paired_ratios(runs: dict[str, list[dict]]) -> list[float]:
+  """JAX / PyTorch images/s of each round: round k's two workers ran back to back (`round_order`), so their ratio
+  sees the same state of a machine whose speed drifts between rounds, as the fastest rounds' ratio need not."""
+  return [j["images_per_s"] / t["images_per_s"] for j, t in zip(runs["jax"], runs["torch"])]
+
+
 def _fmt_ips(ips: float) -> str:
   return f"{ips:.{2 if ips >= 1 else 4}f}"
 
@@ -398,7 +406,14 @@ def measure(a, method: str, argv: Sequence[str]) -> dict:
   if "jax" in results and "torch" in results:
     ratio = results["jax"]["images_per_s"] / results["torch"]["images_per_s"]
     results["ratio_jax_over_torch"] = ratio
-    print(f"  ratio JAX / PyTorch: {ratio:.2f}x", flush=True)
+    paired = ""
+    if a.rounds > 1:
+      pairs = paired_ratios(runs)
+      results["paired_ratios"] = pairs
+      results["paired_ratio_median"] = statistics.median(pairs)
+      paired = (f"   paired rounds: {', '.join(f'{x:.2f}' for x in pairs)}, median "
+                f"{results['paired_ratio_median']:.2f}x")
+    print(f"  ratio JAX / PyTorch: {ratio:.2f}x{paired}", flush=True)
   return results
 
 

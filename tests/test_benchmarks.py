@@ -199,7 +199,7 @@ def test_augmix_views_benchmark_times_both_forms_and_rejects_bad_flags(capsys):
 
 
 def test_rounds_alternate_which_framework_goes_first_and_keep_each_ones_fastest():
-  from benchmarks.step_throughput import fastest_rounds, round_order
+  from benchmarks.step_throughput import fastest_rounds, paired_ratios, round_order
 
   assert round_order(["jax", "torch"], 1) == ["jax", "torch"]
   assert round_order(["jax", "torch"], 3) == ["jax", "torch", "torch", "jax", "jax", "torch"]
@@ -213,6 +213,8 @@ def test_rounds_alternate_which_framework_goes_first_and_keep_each_ones_fastest(
   assert best["jax"]["compile_s"] == 9.0  # the first round's compile time
   assert best["jax"]["rounds_images_per_s"] == [2.0, 3.0]
   assert best["torch"]["images_per_s"] == 5.0 and best["torch"]["rounds_images_per_s"] == [5.0, 4.0]
+  # each round's own ratio (its two workers ran back to back), not the fastest rounds' 3.0 / 5.0
+  assert paired_ratios(runs) == [2.0 / 5.0, 3.0 / 4.0]
 
 
 @pytest.mark.slow
@@ -315,3 +317,21 @@ def test_profile_step_counts_the_executed_work_of_every_pass_of_a_loop(capsys, t
   assert "no cost analysis: the compiled step loops" in out.split("foa step")[1].splitlines()[0]
   rows = {r.split("|")[1].strip(): r.split("|")[2].strip() for r in out.splitlines() if r.startswith("| ")}
   assert rows["source"] == f"{runs['source'] / 1e9:.1f}" and rows["foa"] == f"{runs['foa'] / 1e9:.1f}", rows
+
+
+def test_row_chunk_ab_times_each_setting_in_turn_and_rejects_settings_that_would_run_as_one_pass(capsys):
+  from benchmarks import row_chunk_ab
+  from pcsr_jax.errors import UserError
+
+  argv = ["--arch", "vit_tiny_patch32_224", "--batch-size", "4", "--method", "tent", "--row-chunk", "none,2",
+          "--steps", "2", "--warmup", "0"]
+  assert row_chunk_ab.main(argv) == 0
+  out = capsys.readouterr().out.splitlines()
+  rows = {l.split("median")[0].strip(): l for l in out[1:]}
+  assert set(rows) == {"one pass", "2 rows per pass"}, out
+  assert rows["one pass"].split("), ")[1].startswith("1.000x the first")
+  assert float(rows["2 rows per pass"].split("(")[1].split()[0]) > 0
+  for bad, msg in (("none,3", "must be below and divide"), ("none", "at least two different"),
+                   ("none,x", "positive integers or 'none'")):
+    with pytest.raises(UserError, match=msg):
+      row_chunk_ab.main(argv[:7] + [bad] + argv[8:])
