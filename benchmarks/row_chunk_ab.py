@@ -54,13 +54,14 @@ def main(argv: Sequence[str] | None = None) -> int:
   if a.batch_size < 1 or a.steps < 1 or a.warmup < 0:
     raise UserError("--batch-size and --steps must be positive, --warmup non-negative")
   from pcsr_jax import engine, methods
+  from pcsr_jax.methods.base import splits_into_passes
   from pcsr_jax.models import get_config
 
   get_config(a.arch)
   methods.get(a.method)
   devices = a.cpu_devices or 1
   for c in chunks:  # `methods.base.in_row_passes` would quietly run any other setting as one pass
-    if c is not None and not (c < a.batch_size and a.batch_size % c == 0 and c % devices == 0):
+    if c is not None and not splits_into_passes(a.batch_size, c, devices):
       raise UserError(f"--row-chunk: {c} rows per pass must be below and divide --batch-size {a.batch_size}, "
                       f"and split over {devices} device(s)")
   engine.use_cpu_devices(a.cpu_devices)

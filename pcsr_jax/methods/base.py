@@ -143,6 +143,12 @@ def shard_rows(prep: Prepared, x: Array) -> Array:
   return jax.lax.with_sharding_constraint(x, batch)
 
 
+def splits_into_passes(batch: int, row_chunk: Optional[int], devices: int) -> bool:
+  """Whether `in_row_passes` runs a batch of ``batch`` rows in passes of ``row_chunk``: the chunk must be below
+  and divide the batch, and split over the mesh's ``devices``; any other setting runs as one pass."""
+  return bool(row_chunk) and row_chunk < batch and batch % row_chunk == 0 and row_chunk % devices == 0
+
+
 def in_row_passes(prep: Prepared, fn: Callable[[Array], Any], images: Array) -> Any:
   """``fn(images)`` computed in passes of ``prep.row_chunk`` rows, one after the other (and their backward passes
   in reverse), when the chunk divides the batch and splits over the mesh's devices; else in one pass.
@@ -155,7 +161,7 @@ def in_row_passes(prep: Prepared, fn: Callable[[Array], Any], images: Array) -> 
   """
   b, r = images.shape[0], prep.row_chunk
   n_dev = prep.mesh.devices.size if prep.mesh is not None else 1
-  if not r or b <= r or b % r or r % n_dev:
+  if not splits_into_passes(b, r, n_dev):
     return fn(images)
   n = b // r
   # Pass i takes rows i, i + n, i + 2n, ...: each device's rows (a contiguous block) feed every pass evenly.
