@@ -75,6 +75,13 @@ def _time(step, sync, steps: int, warmup: int, max_s: float | None = None,
   single malloc arena takes a few steps to find room for a step's blocks: `pcsr_jax.malloc`) is warm-up, not
   the step's speed. ``max_s``: the warm-up and the timing each stop once they have run that long (at least one
   timed step), so that one slow method cannot eat a report's budget."""
+  first_s = _warm(step, sync, warmup, max_s, max_extra)
+  dt, n = _timed(step, sync, steps, max_s)
+  return first_s, dt, n
+
+
+def _warm(step, sync, warmup: int, max_s: float | None = None, max_extra: int = 8) -> float:
+  """`_time`'s first step and warm-up; returns the first step's seconds."""
   t0 = time.perf_counter()
   step()
   sync()
@@ -89,6 +96,11 @@ def _time(step, sync, steps: int, warmup: int, max_s: float | None = None,
     sync()
     done += 1
     steady = steady + 1 if rss_mb() <= 1.01 * before else 0
+  return first_s
+
+
+def _timed(step, sync, steps: int, max_s: float | None = None) -> tuple[float, int]:
+  """`_time`'s timed steps: (seconds per step, how many were timed)."""
   t0 = time.perf_counter()
   n = 0
   while n < steps:
@@ -97,7 +109,36 @@ def _time(step, sync, steps: int, warmup: int, max_s: float | None = None,
     n += 1
     if max_s is not None and time.perf_counter() - t0 > max_s:
       break
-  return first_s, (time.perf_counter() - t0) / n, n
+  return (time.perf_counter() - t0) / n, n
+
+
+# The line prefix of the interleaved workers' answers (`serve`), so that anything else a library prints to
+# stdout cannot be taken for one.
+PROTOCOL = "@@ "
+
+
+def serve(step, sync, steps: int, warmup: int, inp=None, out=None) -> tuple[float, float, int]:
+  """An interleaved worker (``--interleave``): warm up as `_time` does, answer ``ready``, then time ``steps``
+  steps for every ``run`` line read from ``inp`` (each answered with its seconds), until ``stop`` or the end of
+  ``inp``. Returns `_time`'s triple, the seconds per step being the median over the slices run."""
+  inp = sys.stdin if inp is None else inp
+  out = sys.stdout if out is None else out
+  first_s = _warm(step, sync, warmup)
+  print(PROTOCOL + json.dumps({"ready": True, "compile_s": first_s}), file=out, flush=True)
+  per_step, total = [], 0
+  for line in inp:
+    cmd = line.strip()
+    if cmd == "stop":
+      break
+    if cmd != "run":
+      raise UserError(f"interleaved worker: expected 'run' or 'stop' on stdin, got '{cmd}'")
+    dt, n = _timed(step, sync, steps)
+    per_step.append(dt)
+    total += n
+    print(PROTOCOL + json.dumps({"seconds_per_step": dt, "steps": n}), file=out, flush=True)
+  if not per_step:
+    raise UserError("interleaved worker: stopped before any 'run'")
+  return first_s, statistics.median(per_step), total
 
 
 def shared_inputs(arch: str, batch_size: int, seed: int = 0, scale: float = 0.05):
@@ -175,11 +216,13 @@ def jax_step(method_name: str, model, params, x, *, dtype: str = "float32", atte
 
 
 def time_jax(method_name: str, model, params, x, *, steps: int, warmup: int, dtype: str = "float32",
-             attention: str = "matmul", fp32_matmul: str = "tf32", row_chunk: int | None = None) -> dict:
+             attention: str = "matmul", fp32_matmul: str = "tf32", row_chunk: int | None = None,
+             interleaved: bool = False) -> dict:
   """Images/s of the engine's step on one batch kept on the device (as the PyTorch side keeps its own).
 
   A float32 run computes its matmuls at ``fp32_matmul`` precision ("tf32": TensorFloat-32 on Ampere+ GPUs,
-  "highest": true float32; CPUs ignore it); a bf16 run at the backbone's own bf16.
+  "highest": true float32; CPUs ignore it); a bf16 run at the backbone's own bf16. ``interleaved``: time the
+  slices the coordinator asks for on stdin (`serve`).
   """
   import contextlib
   import warnings
@@ -193,7 +236,7 @@ def time_jax(method_name: str, model, params, x, *, steps: int, warmup: int, dty
     warnings.simplefilter("always")
     step, sync, _, _, _ = jax_step(method_name, model, params, x, dtype=dtype, attention=attention,
                                    row_chunk=row_chunk)
-    first_s, dt, _ = _time(step, sync, steps, warmup)
+    first_s, dt, _ = (serve if interleaved else _time)(step, sync, steps, warmup)
   fell_back = any("using 'matmul'" in str(w.message) for w in caught)
   dev = jax.devices()[0]
   mem = dev.memory_stats() if dev.platform == "gpu" else None
@@ -252,15 +295,16 @@ def torch_step(method_name: str, model, x, *, arch: str, dtype: str = "float32")
 
 
 def time_torch(method_name: str, model, x, *, arch: str, steps: int, warmup: int, dtype: str = "float32",
-               max_s: float | None = None) -> dict:
-  """Images/s of the PyTorch reference's step (`torch_step`); ``max_s`` as in `_time`."""
+               max_s: float | None = None, interleaved: bool = False) -> dict:
+  """Images/s of the PyTorch reference's step (`torch_step`); ``max_s`` as in `_time`; ``interleaved`` as in
+  `time_jax`."""
   import torch
 
   cuda = x.is_cuda
   step, sync = torch_step(method_name, model, x, arch=arch, dtype=dtype)
   if cuda:
     torch.cuda.reset_peak_memory_stats()
-  first_s, dt, n = _time(step, sync, steps, warmup, max_s)
+  first_s, dt, n = serve(step, sync, steps, warmup) if interleaved else _time(step, sync, steps, warmup, max_s)
   peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else peak_rss_mb()
   b = x.shape[0]
   return dict(framework="torch", device=torch.cuda.get_device_name() if cuda else "cpu", images_per_s=b / dt,
@@ -276,13 +320,14 @@ def run_jax(a) -> dict:
   engine.use_cpu_devices(a.cpu_devices)
   model, params, x = jax_inputs(a.arch, a.batch_size)
   return time_jax(a.method, model, params, x, steps=a.steps, warmup=a.warmup, dtype=a.dtype, attention=a.attention,
-                  fp32_matmul=a.fp32_matmul, row_chunk=a.row_chunk)
+                  fp32_matmul=a.fp32_matmul, row_chunk=a.row_chunk, interleaved=a.serve)
 
 
 def run_torch(a) -> dict:
   torch_fp32_matmul(a.fp32_matmul)
   model, x = torch_inputs(a.arch, a.batch_size)
-  return time_torch(a.method, model, x, arch=a.arch, steps=a.steps, warmup=a.warmup, dtype=a.dtype)
+  return time_torch(a.method, model, x, arch=a.arch, steps=a.steps, warmup=a.warmup, dtype=a.dtype,
+                    interleaved=a.serve)
 
 
 def _method_names() -> list[str]:
@@ -312,8 +357,12 @@ def parser() -> ArgumentParser:
                  "--row-chunk; on a CPU at batch 64, 16 keeps the activations in the caches)")
   p.add_argument("--rounds", type=int, default=1, help="run each framework R times, alternating which goes "
                  "first, and keep each one's fastest round")
+  p.add_argument("--interleave", type=int, metavar="K", help="keep both frameworks' workers alive and time K "
+                 "slices of --steps steps each, the frameworks taking turns (first in turn), and report the median "
+                 "of the slices' own ratios (both workers' memory is held at once)")
   p.add_argument("--json", help="also write the results to this JSON file")
   p.add_argument("--worker", choices=["jax", "torch"], help=argparse.SUPPRESS)  # internal: one framework
+  p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # internal: an interleaved worker
   return p
 
 
@@ -377,42 +426,119 @@ def _malloc_note() -> str:
   return f", {':'.join(tunables)}" if tunables else ""
 
 
+def _worker_cmd(a, argv: Sequence[str], fw: str, method: str) -> list[str]:
+  return [sys.executable, "-m", "benchmarks.step_throughput"] + list(argv) + [
+      "--worker", fw, "--method", method, "--steps", str(a.steps), "--warmup", str(a.warmup)]
+
+
+def _failed(method: str, fw: str, stderr: str) -> UserError:
+  tail = (stderr.strip().splitlines() or ["no output"])[-1]
+  return UserError(f"{method}: {fw} worker failed: {tail}")
+
+
+def rounds_of_workers(a, method: str, argv: Sequence[str]) -> dict[str, list[dict]]:
+  """Each framework's figures from ``a.rounds`` fresh worker processes, run one at a time (`round_order`)."""
+  runs: dict[str, list[dict]] = {fw: [] for fw in parse_frameworks(a.frameworks)}
+  for fw in round_order(list(runs), a.rounds):
+    r = subprocess.run(_worker_cmd(a, argv, fw, method), capture_output=True, text=True, cwd=ROOT)
+    if r.returncode != 0:
+      raise _failed(method, fw, r.stderr)
+    runs[fw].append(json.loads(r.stdout.strip().splitlines()[-1]))
+  return runs
+
+
+# Seconds between two slices of `interleaved_workers`: the worker that just stopped lets its threads' spin-wait
+# (OpenMP's, XLA's pool's) run out before the other one starts.
+SETTLE_S = 0.2
+
+
+def interleaved_workers(a, method: str, argv: Sequence[str]) -> tuple[dict[str, dict], dict[str, list[float]]]:
+  """``(figures, slices)``: both frameworks' workers alive at once (each started and warmed up while the other
+  waits), then ``a.interleave`` slices of ``a.steps`` steps each, the frameworks taking turns in `round_order`'s
+  order, so that slice k of one framework runs seconds from slice k of the other; ``slices[fw]``: each slice's
+  images/s in order. A machine's drift between minutes-apart rounds (`rounds_of_workers`) then lands on both
+  frameworks of a slice pair alike."""
+  import tempfile
+
+  fws = parse_frameworks(a.frameworks)
+  procs: dict[str, subprocess.Popen] = {}
+  errs = {fw: tempfile.TemporaryFile(mode="w+") for fw in fws}
+
+  def answer(fw: str) -> dict:
+    for line in procs[fw].stdout:
+      if line.startswith(PROTOCOL):
+        return json.loads(line[len(PROTOCOL):])
+    procs[fw].wait()
+    errs[fw].seek(0)
+    raise _failed(method, fw, errs[fw].read())
+
+  try:
+    for fw in fws:
+      procs[fw] = subprocess.Popen(_worker_cmd(a, argv, fw, method) + ["--serve"], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=errs[fw], text=True, cwd=ROOT)
+      answer(fw)  # ready: compiled and warmed up
+    slices: dict[str, list[float]] = {fw: [] for fw in fws}
+    for fw in round_order(fws, a.interleave):
+      time.sleep(SETTLE_S)
+      procs[fw].stdin.write("run\n")
+      procs[fw].stdin.flush()
+      slices[fw].append(a.batch_size / answer(fw)["seconds_per_step"])
+    figures = {}
+    for fw in fws:
+      out, _ = procs[fw].communicate("stop\n")
+      if procs[fw].returncode != 0:
+        errs[fw].seek(0)
+        raise _failed(method, fw, errs[fw].read())
+      figures[fw] = json.loads(out.strip().splitlines()[-1])
+  finally:
+    for p in procs.values():
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+    for f in errs.values():
+      f.close()
+  return figures, slices
+
+
 def measure(a, method: str, argv: Sequence[str]) -> dict:
-  """Both frameworks' figures for one method, each framework in its own subprocess (``a.rounds`` times each,
-  the fastest round kept); prints them."""
+  """Both frameworks' figures for one method, each framework in its own worker subprocess: ``a.rounds`` fresh
+  workers each, the fastest round kept, or with ``a.interleave`` two live workers taking turns, each
+  framework's median slice kept; prints them."""
   from pcsr_jax import methods
 
   cost = methods.get(method).cost
-  fws = parse_frameworks(a.frameworks)
-  runs: dict[str, list[dict]] = {fw: [] for fw in fws}
-  for fw in round_order(fws, a.rounds):
-    cmd = [sys.executable, "-m", "benchmarks.step_throughput"] + list(argv) + ["--worker", fw, "--method", method,
-                                                                      "--steps", str(a.steps),
-                                                                      "--warmup", str(a.warmup)]
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    if r.returncode != 0:
-      tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
-      raise UserError(f"{method}: {fw} worker failed: {tail}")
-    runs[fw].append(json.loads(r.stdout.strip().splitlines()[-1]))
-  results = fastest_rounds(runs)
-  rounds = f", fastest of {a.rounds} rounds" if a.rounds > 1 else ""
-  print(f"{method} step ({cost} per batch), {a.arch}, batch {a.batch_size}, {a.dtype}, {a.steps} timed steps "
-        f"after {a.warmup} warm-up{rounds}{_malloc_note()}")
+  if a.interleave:
+    figures, slices = interleaved_workers(a, method, argv)
+    results = {fw: {**figures[fw], "images_per_s": statistics.median(s), "slices_images_per_s": s}
+               for fw, s in slices.items()}
+    how = f", {a.interleave} interleaved slices of {a.steps} steps each, median slice"
+    per_step = f"after {a.warmup} warm-up"
+  else:
+    runs = rounds_of_workers(a, method, argv)
+    results = fastest_rounds(runs)
+    how = f", fastest of {a.rounds} rounds" if a.rounds > 1 else ""
+    per_step = f"{a.steps} timed steps after {a.warmup} warm-up"
+  print(f"{method} step ({cost} per batch), {a.arch}, batch {a.batch_size}, {a.dtype}, {per_step}{how}"
+        f"{_malloc_note()}")
   for fw, r in results.items():
     chunk = f", {r['row_chunk']} rows per pass" if r.get("row_chunk") else ""
-    every = (" (rounds: " + ", ".join(_fmt_ips(x) for x in r["rounds_images_per_s"]) + ")") if a.rounds > 1 else ""
+    if a.interleave:
+      every = " (slices: " + ", ".join(_fmt_ips(x) for x in r["slices_images_per_s"]) + ")"
+    else:
+      every = (" (rounds: " + ", ".join(_fmt_ips(x) for x in r["rounds_images_per_s"]) + ")") if a.rounds > 1 else ""
     print(f"  {fw:5s} [{r['device']}, {r['version']}{chunk}]: {_fmt_ips(r['images_per_s']):>8s} img/s   first step "
           f"(compile) {r['compile_s']:6.2f} s   peak {r['peak_kind']} {r['peak_mb']:8.0f} MiB{every}")
   if "jax" in results and "torch" in results:
     ratio = results["jax"]["images_per_s"] / results["torch"]["images_per_s"]
     results["ratio_jax_over_torch"] = ratio
     paired = ""
-    if a.rounds > 1:
-      pairs = paired_ratios(runs)
+    if a.interleave or a.rounds > 1:
+      pairs = (paired_ratios({fw: [{"images_per_s": x} for x in s] for fw, s in slices.items()}) if a.interleave
+               else paired_ratios(runs))
       results["paired_ratios"] = pairs
       results["paired_ratio_median"] = statistics.median(pairs)
-      paired = (f"   paired rounds: {', '.join(f'{x:.2f}' for x in pairs)}, median "
-                f"{results['paired_ratio_median']:.2f}x")
+      paired = (f"   paired {'slices' if a.interleave else 'rounds'}: {', '.join(f'{x:.2f}' for x in pairs)}, "
+                f"median {results['paired_ratio_median']:.2f}x")
     print(f"  ratio JAX / PyTorch: {ratio:.2f}x{paired}", flush=True)
   return results
 
@@ -423,8 +549,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   from pcsr_jax.models import get_config
 
   get_config(a.arch)  # validate before spawning workers
-  if a.batch_size < 1 or a.steps < 1 or a.warmup < 0 or a.rounds < 1:
-    raise UserError("--batch-size, --steps and --rounds must be positive, --warmup non-negative")
+  for flag, value, least in (("batch-size", a.batch_size, 1), ("steps", a.steps, 1), ("warmup", a.warmup, 0),
+                            ("rounds", a.rounds, 1), ("interleave", a.interleave, 1)):
+    if value is not None and value < least:
+      raise UserError(f"--{flag}: expected {'a positive' if least else 'a non-negative'} integer, got {value}")
+  if a.interleave and a.rounds > 1:
+    raise UserError("--interleave and --rounds: choose one (interleaved slices replace rounds of fresh workers)")
   if a.worker:
     print(json.dumps(run_jax(a) if a.worker == "jax" else run_torch(a)))
     return 0

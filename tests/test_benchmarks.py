@@ -231,7 +231,48 @@ def test_step_throughput_runs_rounds_of_workers_and_rejects_zero_rounds(capsys):
   rounds = [float(x) for x in line.split("(rounds: ")[1].rstrip(")").split(", ")]
   best = float(line.split("]:")[1].split()[0])
   assert len(rounds) == 2 and best == max(rounds) > 0
-  with pytest.raises(UserError, match="--rounds must be positive"):
+  with pytest.raises(UserError, match="--rounds: expected a positive integer, got 0"):
+    step_throughput.main(argv[:-1] + ["0"])
+
+
+def test_interleaved_worker_times_one_slice_per_run_line_until_stop():
+  import io
+
+  from benchmarks.step_throughput import PROTOCOL, serve
+  from pcsr_jax.errors import UserError
+
+  step, calls = _counting_step(0.001)
+  out = io.StringIO()
+  first_s, per_step, n = serve(step, lambda: None, 3, 1, inp=io.StringIO("run\nrun\nstop\nrun\n"), out=out)
+  answers = [json.loads(l[len(PROTOCOL):]) for l in out.getvalue().splitlines()]
+  assert answers[0]["ready"] and len(answers) == 3  # ready, then one answer per slice; nothing after stop
+  assert [a["steps"] for a in answers[1:]] == [3, 3] and n == 6
+  assert len(calls) == 1 + 1 + 6  # first step, warm-up, two slices of 3
+  assert per_step == pytest.approx(sorted(a["seconds_per_step"] for a in answers[1:])[0] / 2
+                                   + sorted(a["seconds_per_step"] for a in answers[1:])[1] / 2)
+  with pytest.raises(UserError, match="expected 'run' or 'stop' on stdin, got 'go'"):
+    serve(step, lambda: None, 1, 0, inp=io.StringIO("go\n"), out=io.StringIO())
+  with pytest.raises(UserError, match="stopped before any 'run'"):
+    serve(step, lambda: None, 1, 0, inp=io.StringIO("stop\n"), out=io.StringIO())
+
+
+@pytest.mark.slow
+def test_step_throughput_interleaves_live_workers_and_rejects_it_with_rounds(capsys):
+  from benchmarks import step_throughput
+  from pcsr_jax.errors import UserError
+
+  argv = ["--arch", "vit_tiny_patch32_224", "--batch-size", "2", "--method", "source", "--frameworks", "jax",
+          "--steps", "1", "--warmup", "0", "--interleave", "3"]
+  assert step_throughput.main(argv) == 0
+  out = capsys.readouterr().out.splitlines()
+  assert out[0].endswith("3 interleaved slices of 1 steps each, median slice" + step_throughput._malloc_note())
+  line = next(l for l in out if l.lstrip().startswith("jax"))
+  slices = [float(x) for x in line.split("(slices: ")[1].rstrip(")").split(", ")]
+  median = float(line.split("]:")[1].split()[0])
+  assert len(slices) == 3 and median == sorted(slices)[1] > 0
+  with pytest.raises(UserError, match="--interleave and --rounds: choose one"):
+    step_throughput.main(argv + ["--rounds", "2"])
+  with pytest.raises(UserError, match="--interleave: expected a positive integer, got 0"):
     step_throughput.main(argv[:-1] + ["0"])
 
 
