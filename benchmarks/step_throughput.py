@@ -16,6 +16,10 @@ first, and keeps each framework's fastest round: on a shared CPU one run's
 figures can move by 10-30% (a slow spell of the machine), and the spell then
 lands on one round, not on one framework's only figure. It also prints each round's own ratio (the two
 workers of a round run back to back) and their median, which a drift between rounds does not move.
+``--interleave K`` instead keeps both workers alive (each compiled and warmed up while the other waits; both
+processes' memory held at once) and times K slices of ``--steps`` steps, the frameworks taking turns
+(`round_order`), seconds apart: it prints every slice's images/s, each framework's median slice, each slice
+pair's own ratio and their median.
 A method that cannot run without arguments gets them from `benchmarks.method_args`, the same on both sides
 (DePT-G: freshly initialised prompts and DINO heads of the official size; DDA: a small freshly initialised
 guided-diffusion UNet, 32 px, at the official step counts; only the shapes matter to speed).
