@@ -24,7 +24,8 @@ A method that cannot run without arguments gets them from `benchmarks.method_arg
 (DePT-G: freshly initialised prompts and DINO heads of the official size; DDA: a small freshly initialised
 guided-diffusion UNet, 32 px, at the official step counts; only the shapes matter to speed).
 ``--cpu-devices N`` splits the CPU into N JAX devices sharing the batch (one per
-core is XLA:CPU's fastest setting; PyTorch uses all cores' threads either way).
+core is XLA:CPU's fastest setting; PyTorch uses all cores' threads either way); on a CPU-only host the default
+is one per core (`default_cpu_devices`), so the table's setting needs no flag.
 ``PCSR_JAX_MALLOC=hugepages`` or ``reuse`` restarts the command under those glibc settings (`pcsr_jax.malloc`,
 as every command does on a CPU-only host) and both workers inherit them.
 """
@@ -318,10 +319,22 @@ def time_torch(method_name: str, model, x, *, arch: str, steps: int, warmup: int
               dtype == "float32" else None, version=torch.__version__, threads=torch.get_num_threads())
 
 
+def default_cpu_devices(batch_size: int, env=None, cores: int | None = None) -> int | None:
+  """``--cpu-devices``' default: on a CPU-only host (`malloc.cpu_only`), one JAX device per core this process
+  may run on, lowered to the most that divide ``batch_size`` (2 cores, batch 16: 2; batch 1: 1), the setting
+  of docs/performance.md's CPU table; None (JAX's own devices) where a GPU or TPU may be used."""
+  from pcsr_jax import malloc
+
+  if not malloc.cpu_only(os.environ if env is None else env):
+    return None
+  cores = len(os.sched_getaffinity(0)) if cores is None else cores
+  return max(d for d in range(1, max(cores, 1) + 1) if batch_size % d == 0)
+
+
 def run_jax(a) -> dict:
   from pcsr_jax import engine
 
-  engine.use_cpu_devices(a.cpu_devices)
+  engine.use_cpu_devices(a.cpu_devices if a.cpu_devices is not None else default_cpu_devices(a.batch_size))
   model, params, x = jax_inputs(a.arch, a.batch_size)
   return time_jax(a.method, model, params, x, steps=a.steps, warmup=a.warmup, dtype=a.dtype, attention=a.attention,
                   fp32_matmul=a.fp32_matmul, row_chunk=a.row_chunk, interleaved=a.serve)
@@ -356,7 +369,7 @@ def parser() -> ArgumentParser:
   p.add_argument("--fp32-matmul", default="tf32", choices=FP32_MATMUL,
                  help="float32 matmul precision on Ampere+ GPUs, both frameworks (tf32: XLA's default)")
   p.add_argument("--cpu-devices", type=int, help="JAX on a CPU: split it into N devices sharing the batch (as the "
-                 "harness's --cpu-devices; default 1)")
+                 "harness's --cpu-devices; default on a CPU-only host: one per core, the most that divide the batch)")
   p.add_argument("--row-chunk", type=int, help="JAX: run the model in passes of N rows of the batch (the harness's "
                  "--row-chunk; on a CPU at batch 64, 16 keeps the activations in the caches)")
   p.add_argument("--rounds", type=int, default=1, help="run each framework R times, alternating which goes "

@@ -68,8 +68,14 @@ def tunables(env: Mapping[str, str]) -> Optional[str]:
   wanted = MODES[mode(env)]
   if wanted is None or not on_glibc() or "glibc.malloc." in env.get("GLIBC_TUNABLES", ""):
     return None
+  return wanted if cpu_only(env) else None
+
+
+def cpu_only(env: Mapping[str, str]) -> bool:
+  """Whether JAX, started with ``env``, can only run on the CPU: ``JAX_PLATFORMS=cpu``, or no platform asked
+  for and no GPU or TPU plugin installed. Decided without starting JAX."""
   platforms = env.get("JAX_PLATFORMS", "")
-  return wanted if platforms == "cpu" or (not platforms and not _accelerator_installed()) else None
+  return platforms == "cpu" or (not platforms and not _accelerator_installed())
 
 
 def tuned_env(env: Mapping[str, str]) -> dict[str, str]:

@@ -235,6 +235,16 @@ def test_step_throughput_runs_rounds_of_workers_and_rejects_zero_rounds(capsys):
     step_throughput.main(argv[:-1] + ["0"])
 
 
+def test_step_throughput_defaults_to_one_jax_device_per_core_on_a_cpu_only_host():
+  from benchmarks.step_throughput import default_cpu_devices
+
+  cpu = {"JAX_PLATFORMS": "cpu"}
+  assert default_cpu_devices(16, cpu, cores=2) == 2  # the CPU table's setting
+  assert default_cpu_devices(1, cpu, cores=2) == 1  # no device without a row
+  assert default_cpu_devices(16, cpu, cores=6) == 4 and default_cpu_devices(15, cpu, cores=4) == 3
+  assert default_cpu_devices(16, {"JAX_PLATFORMS": "cuda"}, cores=2) is None  # an accelerator's own devices
+
+
 def test_interleaved_worker_times_one_slice_per_run_line_until_stop():
   import io
 
