@@ -375,7 +375,7 @@ def parser() -> ArgumentParser:
   p.add_argument("--rounds", type=int, default=1, help="run each framework R times, alternating which goes "
                  "first, and keep each one's fastest round")
   p.add_argument("--interleave", type=int, metavar="K", help="keep both frameworks' workers alive and time K "
-                 "slices of --steps steps each, the frameworks taking turns (first in turn), and report the median "
+                 "slices of --steps steps each, the frameworks taking turns, and report the median "
                  "of the slices' own ratios (both workers' memory is held at once)")
   p.add_argument("--json", help="also write the results to this JSON file")
   p.add_argument("--worker", choices=["jax", "torch"], help=argparse.SUPPRESS)  # internal: one framework

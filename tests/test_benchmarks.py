@@ -280,6 +280,9 @@ def test_step_throughput_interleaves_live_workers_and_rejects_it_with_rounds(cap
   slices = [float(x) for x in line.split("(slices: ")[1].rstrip(")").split(", ")]
   median = float(line.split("]:")[1].split()[0])
   assert len(slices) == 3 and median == sorted(slices)[1] > 0
+  # a worker that fails ends the run with its own one-line error
+  with pytest.raises(UserError, match="source: jax worker failed: .*--cpu-devices: expected a positive number"):
+    step_throughput.main(argv + ["--cpu-devices", "0"])
   with pytest.raises(UserError, match="--interleave and --rounds: choose one"):
     step_throughput.main(argv + ["--rounds", "2"])
   with pytest.raises(UserError, match="--interleave: expected a positive integer, got 0"):
