@@ -217,22 +217,11 @@ def test_rounds_alternate_which_framework_goes_first_and_keep_each_ones_fastest(
   assert paired_ratios(runs) == [2.0 / 5.0, 3.0 / 4.0]
 
 
-@pytest.mark.slow
-def test_step_throughput_runs_rounds_of_workers_and_rejects_zero_rounds(capsys):
-  from benchmarks import step_throughput
-  from pcsr_jax.errors import UserError
-
-  argv = ["--arch", "vit_tiny_patch32_224", "--batch-size", "2", "--method", "source", "--frameworks", "jax",
-          "--steps", "1", "--warmup", "0", "--rounds", "2"]
-  assert step_throughput.main(argv) == 0
-  out = capsys.readouterr().out.splitlines()
-  assert out[0].endswith("fastest of 2 rounds"), out[0]
+def _jax_figures(out: list[str], kind: str) -> tuple[float, list[float]]:
+  """The JAX line's images/s and its list of ``kind`` ("rounds" or "slices") images/s."""
   line = next(l for l in out if l.lstrip().startswith("jax"))
-  rounds = [float(x) for x in line.split("(rounds: ")[1].rstrip(")").split(", ")]
-  best = float(line.split("]:")[1].split()[0])
-  assert len(rounds) == 2 and best == max(rounds) > 0
-  with pytest.raises(UserError, match="--rounds: expected a positive integer, got 0"):
-    step_throughput.main(argv[:-1] + ["0"])
+  every = [float(x) for x in line.split(f"({kind}: ")[1].rstrip(")").split(", ")]
+  return float(line.split("]:")[1].split()[0]), every
 
 
 def test_step_throughput_defaults_to_one_jax_device_per_core_on_a_cpu_only_host():
@@ -267,26 +256,30 @@ def test_interleaved_worker_times_one_slice_per_run_line_until_stop():
 
 
 @pytest.mark.slow
-def test_step_throughput_interleaves_live_workers_and_rejects_it_with_rounds(capsys):
+def test_step_throughput_times_rounds_of_workers_or_interleaved_slices_and_rejects_bad_counts(capsys):
   from benchmarks import step_throughput
   from pcsr_jax.errors import UserError
 
-  argv = ["--arch", "vit_tiny_patch32_224", "--batch-size", "2", "--method", "source", "--frameworks", "jax",
-          "--steps", "1", "--warmup", "0", "--interleave", "3"]
-  assert step_throughput.main(argv) == 0
+  base = ["--arch", "vit_tiny_patch32_224", "--batch-size", "2", "--method", "source", "--frameworks", "jax",
+          "--steps", "1", "--warmup", "0"]
+  assert step_throughput.main(base + ["--rounds", "2"]) == 0
+  out = capsys.readouterr().out.splitlines()
+  assert out[0].endswith("fastest of 2 rounds" + step_throughput._malloc_note()), out[0]
+  best, rounds = _jax_figures(out, "rounds")
+  assert len(rounds) == 2 and best == max(rounds) > 0
+  assert step_throughput.main(base + ["--interleave", "3"]) == 0
   out = capsys.readouterr().out.splitlines()
   assert out[0].endswith("3 interleaved slices of 1 steps each, median slice" + step_throughput._malloc_note())
-  line = next(l for l in out if l.lstrip().startswith("jax"))
-  slices = [float(x) for x in line.split("(slices: ")[1].rstrip(")").split(", ")]
-  median = float(line.split("]:")[1].split()[0])
+  median, slices = _jax_figures(out, "slices")
   assert len(slices) == 3 and median == sorted(slices)[1] > 0
   # a worker that fails ends the run with its own one-line error
   with pytest.raises(UserError, match="source: jax worker failed: .*--cpu-devices: expected a positive number"):
-    step_throughput.main(argv + ["--cpu-devices", "0"])
+    step_throughput.main(base + ["--interleave", "3", "--cpu-devices", "0"])
   with pytest.raises(UserError, match="--interleave and --rounds: choose one"):
-    step_throughput.main(argv + ["--rounds", "2"])
-  with pytest.raises(UserError, match="--interleave: expected a positive integer, got 0"):
-    step_throughput.main(argv[:-1] + ["0"])
+    step_throughput.main(base + ["--interleave", "3", "--rounds", "2"])
+  for flag in ("--rounds", "--interleave"):
+    with pytest.raises(UserError, match=f"{flag}: expected a positive integer, got 0"):
+      step_throughput.main(base + [flag, "0"])
 
 
 def test_input_pipeline_times_every_backend_on_the_same_output(capsys):
