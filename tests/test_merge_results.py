@@ -66,7 +66,7 @@ def test_runs_of_another_stream_or_the_same_method_twice_are_refused(run, tmp_pa
   (tmp_path / "part1" / "results.json").write_text(json.dumps(other))
   with pytest.raises(UserError, match=r"part1/results.json: severity is 3, but .*part0/results.json has 5"):
     merge_results.main([a, b])
-  with pytest.raises(UserError, match=r"method source is also in"):
+  with pytest.raises(UserError, match=r"source seed 1 is also in"):
     merge_results.main([a, a])
   data_incomplete = dict(data, complete=False)
   (tmp_path / "inc.json").write_text(json.dumps(data_incomplete))
@@ -77,3 +77,53 @@ def test_runs_of_another_stream_or_the_same_method_twice_are_refused(run, tmp_pa
   (tmp_path / "bad.json").write_text("[1, 2]")
   with pytest.raises(UserError, match=r"bad.json: expected a run's results.json with 'config', 'records' and 'throughput'"):
     merge_results.main([str(tmp_path / "bad.json")])
+
+
+def _units(data: dict, path, units):
+  """A results.json of the run's ``units`` ((method, seed) pairs) only, as if they had been a run of their own."""
+  part = copy.deepcopy(data)
+  part["config"]["methods"] = sorted({m for m, _ in units}, key=data["config"]["methods"].index)
+  part["records"] = [r for r in data["records"] if (r["method"], r["seed"]) in units]
+  part["throughput"] = {k: v for k, v in data["throughput"].items()
+                        if (k.split("/")[0], int(k.split("/seed")[1])) in units}
+  path.mkdir()
+  (path / "results.json").write_text(json.dumps(part))
+  return str(path)
+
+
+def test_runs_of_other_seeds_merge_unit_by_unit_and_a_method_with_fewer_seeds_says_which(run, tmp_path):
+  data, table = run
+  every = {(m, s) for m in ("source", "tent") for s in (1, 2)}
+  seed1 = _units(data, tmp_path / "s1", {u for u in every if u[1] == 1})
+  seed2 = _units(data, tmp_path / "s2", {u for u in every if u[1] == 2})
+  got = merge_results.merge([merge_results.load(seed1), merge_results.load(seed2)]).strip().split("\n")
+  for g, w in zip(got, table.strip().split("\n")):
+    assert g.rstrip(" |").rsplit("|", 1)[0] + "|" == w  # the one run's mean ± std, cell for cell
+  fewer = _units(data, tmp_path / "fewer", {("source", 1), ("source", 2), ("tent", 1)})
+  rows = merge_results.merge([merge_results.load(fewer)]).strip().split("\n")
+  assert "±" in rows[2] and not rows[2].endswith(") |")  # source: both seeds
+  assert "±" not in rows[3] and rows[3].endswith(" (seed 1) |")  # tent: one seed, named
+
+
+def test_partial_takes_only_the_finished_units_of_a_run_under_way(run, tmp_path):
+  from pcsr_jax import harness, progress
+
+  data, table = run
+  out = tmp_path / "under_way" / "resume"
+  out.mkdir(parents=True)
+  # What the harness saves mid-run: every record so far (tent seed 1's first corruption among them), done units.
+  started = [r for r in data["records"] if r["method"] == "source" or (r["seed"], r["corruption"]) == (1, CORR[0])]
+  prog = progress.RunProgress(config_key=harness._config_key(data["config"], "digest"), records=started,
+                              done=["source/seed1", "source/seed2"],
+                              throughput={k: v for k, v in data["throughput"].items() if k.startswith("source/")})
+  (out / "progress.json").write_text(json.dumps(prog.to_json()))
+  with pytest.raises(UserError, match=r"under_way/results.json: not found"):
+    merge_results.main([str(tmp_path / "under_way")])
+  rows = merge_results.merge([merge_results.load(str(tmp_path / "under_way"), partial=True)]).strip().split("\n")
+  assert len(rows) == 3 and rows[2].rstrip(" |").rsplit("|", 1)[0] + "|" == table.strip().split("\n")[2]
+  (out / "progress.json").write_text("{}")
+  with pytest.raises(UserError, match=r"progress.json: not a readable progress file \(KeyError"):
+    merge_results.main([str(tmp_path / "under_way"), "--partial"])
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(UserError, match=r"empty: neither results.json nor resume/progress.json"):
+    merge_results.main([str(tmp_path / "empty"), "--partial"])

@@ -2,10 +2,13 @@
 
     python experiments/merge_results.py runs/long/A runs/long/B --output table.md
 
-A long benchmark is easier to run as several runs (different methods, each resumable, on different hosts or
-cores) than as one. This reads each run's ``results.json``, checks that they measured the same stream (the
-settings in `SAME`), and writes the Table 1 layout of `results.table` with one more column: each method's
-images/s, the median over its (method, seed) units of the images it adapted on over the seconds they took.
+A long benchmark is easier to run as several runs (different methods or seeds, each resumable, on different
+hosts or cores) than as one. This reads each run's ``results.json``, checks that they measured the same stream
+(the settings in `SAME`), takes each (method, seed) unit from the one run that has it, and writes the Table 1
+layout of `results.table` with one more column: each method's images/s, the median over its units of the images
+it adapted on over the seconds they took, followed by its seeds where a method has fewer than another.
+``--partial`` also takes the finished units of a run still under way (its ``resume/progress.json``), so that a
+run whose slowest methods are left to finish elsewhere still gives its finished ones.
 """
 
 from __future__ import annotations
@@ -19,15 +22,36 @@ import numpy as np
 from pcsr_jax import results
 from pcsr_jax.errors import ArgumentParser, UserError
 
-# What every merged run must share: the stream and the protocol. Not the methods, their arguments, the output or
-# the loader: they may differ between runs.
-SAME = ("data", "dataset", "corruptions", "severity", "seeds", "setting", "batch_size", "limit", "shuffle",
+# What every merged run must share: the stream and the protocol. Not the methods, their arguments, the seeds, the
+# output or the loader: they may differ between runs (a (method, seed) unit is taken from one run only).
+SAME = ("data", "dataset", "corruptions", "severity", "setting", "batch_size", "limit", "shuffle",
         "images_per_corruption", "corruption_seed", "dtype", "eval_order", "imbalance_ratio")
 
 
-def load(run: str) -> dict:
-  """A finished run's ``results.json`` (``run`` is its folder or the file); a `UserError` naming it otherwise."""
+def load_progress(run: str) -> dict:
+  """The finished units of a run still under way, from its ``resume/progress.json`` (what ``--resume`` reads),
+  in `load`'s form: its records and images/s of those units only."""
+  path = os.path.join(run, "resume", "progress.json")
+  try:
+    with open(path, encoding="utf-8") as f:
+      progress = json.load(f)
+    done = set(progress["done"])
+    config = json.loads(progress["config_key"])
+    records = [r for r in progress["records"] if f"{r['method']}/seed{r['seed']}" in done]
+    throughput = {k: v for k, v in progress["throughput"].items() if k in done}
+  except FileNotFoundError:
+    raise UserError(f"{run}: neither results.json nor resume/progress.json; expected a run's output folder") from None
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise UserError(f"{path}: not a readable progress file ({type(e).__name__}: {e})") from None
+  return dict(config=config, records=records, throughput=throughput, complete=False, path=path)
+
+
+def load(run: str, partial: bool = False) -> dict:
+  """A finished run's ``results.json`` (``run`` is its folder or the file); with ``partial``, a folder without
+  one gives its finished units (`load_progress`); a `UserError` naming it otherwise."""
   path = os.path.join(run, "results.json") if os.path.isdir(run) else run
+  if partial and os.path.isdir(run) and not os.path.exists(path):
+    return load_progress(run)
   try:
     with open(path, encoding="utf-8") as f:
       out = json.load(f)
@@ -39,14 +63,10 @@ def load(run: str) -> dict:
                                                                                    ("throughput", dict))):
     raise UserError(f"{path}: expected a run's results.json with 'config', 'records' and 'throughput'")
   if not out.get("complete", False):
-    raise UserError(f"{path}: the run is not complete; finish it with --resume first")
+    raise UserError(f"{path}: the run is not complete; finish it with --resume first (or --partial, for its "
+                    "finished units)")
   out["path"] = path
   return out
-
-
-def images_per_s(run: dict, method: str) -> float:
-  """Median over the method's (method, seed) units of images/s (the harness's ``throughput``, one per unit)."""
-  return float(np.median([u["images_per_s"] for k, u in run["throughput"].items() if k.split("/", 1)[0] == method]))
 
 
 def merge(runs: Sequence[dict]) -> str:
@@ -57,23 +77,36 @@ def merge(runs: Sequence[dict]) -> str:
       if run["config"].get(key) != first["config"].get(key):
         raise UserError(f"{run['path']}: {key} is {run['config'].get(key)!r}, but {first['path']} has "
                         f"{first['config'].get(key)!r}; merge only runs of the same stream")
-  owner: dict[str, dict] = {}
+  owner: dict[tuple[str, int], str] = {}
+  methods: list[str] = []
   for run in runs:
-    for m in run["config"]["methods"]:
-      if m in owner:
-        raise UserError(f"{run['path']}: method {m} is also in {owner[m]['path']}; each method from one run")
-      owner[m] = run
+    for unit in sorted({(r["method"], r["seed"]) for r in run["records"]}):
+      if unit in owner:
+        raise UserError(f"{run['path']}: {unit[0]} seed {unit[1]} is also in {owner[unit]}; each unit from one run")
+      owner[unit] = run["path"]
+    methods += [m for m in run["config"]["methods"] if m not in methods and any(u[0] == m for u in owner)]
+  if not methods:
+    raise UserError(f"{', '.join(run['path'] for run in runs)}: no finished unit to merge")
   records = [r for run in runs for r in run["records"]]
-  ips = {m: f"{images_per_s(run, m):.0f}" for m, run in owner.items()}
-  return results.table(records, first["config"]["corruptions"], list(owner), extra=("img/s", ips))
+  seeds = {m: sorted(s for mm, s in owner if mm == m) for m in methods}
+  most = max(len(s) for s in seeds.values())
+  cells = {}
+  for m in methods:
+    ips = [u["images_per_s"] for run in runs for k, u in run["throughput"].items() if k.split("/", 1)[0] == m]
+    named = f"seed{'s' if len(seeds[m]) > 1 else ''} {', '.join(map(str, seeds[m]))}"
+    fewer = "" if len(seeds[m]) == most else f" ({named})"
+    cells[m] = f"{np.median(ips):.0f}{fewer}"
+  return results.table(records, first["config"]["corruptions"], methods, extra=("img/s", cells))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
   p = ArgumentParser(prog="merge_results.py", description=__doc__.split("\n\n")[0])
   p.add_argument("runs", nargs="+", help="finished runs' output folders (or their results.json)")
   p.add_argument("--output", help="also write the table to this markdown file")
+  p.add_argument("--partial", action="store_true", help="also take the finished units of runs still under way "
+                 "(their resume/progress.json)")
   a = p.parse_args(argv)
-  table = merge([load(r) for r in a.runs])
+  table = merge([load(r, a.partial) for r in a.runs])
   print(table, end="")
   if a.output:
     with open(a.output, "w", encoding="utf-8") as f:
