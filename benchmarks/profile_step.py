@@ -190,7 +190,7 @@ def profile_jax(a) -> dict:
 
   from pcsr_jax import engine
 
-  engine.use_cpu_devices(a.cpu_devices)
+  engine.use_cpu_devices(a.cpu_devices if a.cpu_devices is not None else st.default_cpu_devices(a.batch_size))
   model, params, x = st.jax_inputs(a.arch, a.batch_size)
   step, sync, ad, placed, box = st.jax_step(a.method, model, params, x, row_chunk=a.row_chunk)
   step()
@@ -273,7 +273,8 @@ def parser() -> ArgumentParser:
   p.add_argument("--top", type=int, default=8, help="also list the N most expensive ops of each framework")
   p.add_argument("--frameworks", default="jax,torch")
   p.add_argument("--cpu-devices", type=int, help="JAX: split the CPU into N devices sharing the batch (as "
-                 "step_throughput.py); their ops overlap, so the per-kind times add up to more than the wall")
+                 "step_throughput.py, whose default this is: one per core on a CPU-only host); their ops overlap, "
+                 "so the per-kind times add up to more than the wall (1: one device's own profile)")
   p.add_argument("--row-chunk", type=int, help="JAX: run the model in passes of N rows (as step_throughput.py)")
   p.add_argument("--json", help="also write the results to this JSON file")
   p.add_argument("--worker", choices=["jax", "torch"], help="internal: profile one framework in this process")
@@ -347,8 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   from pcsr_jax.models import get_config
 
   get_config(a.arch)
-  if a.batch_size < 1 or a.steps < 1 or a.warmup < 0:
-    raise UserError("--batch-size and --steps must be positive, --warmup non-negative")
+  st.check_counts(a, batch_size=1, steps=1, warmup=0, row_chunk=1, top=0)
   if a.worker:
     methods.get(a.method)
     print(json.dumps(profile_jax(a) if a.worker == "jax" else profile_torch(a)))

@@ -41,7 +41,8 @@ def parser() -> ArgumentParser:
   p.add_argument("--arch", default="vit_small_patch16_224")
   p.add_argument("--batch-size", type=int, default=16)
   p.add_argument("--method", default="tent", help="one registered method")
-  p.add_argument("--cpu-devices", type=int, help="split the CPU into N JAX devices (as the harness flag)")
+  p.add_argument("--cpu-devices", type=int, help="split the CPU into N JAX devices (as the harness flag; "
+                 "default as step_throughput.py's: one per core on a CPU-only host)")
   p.add_argument("--row-chunk", default="none,8", help="settings to compare, e.g. none,8,4 (the first: the base)")
   p.add_argument("--steps", type=int, default=8, help="timed steps of each setting")
   p.add_argument("--warmup", type=int, default=2, help="untimed steps of each setting after its compile")
@@ -51,22 +52,22 @@ def parser() -> ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
   a = parser().parse_args(list(sys.argv[1:] if argv is None else argv))
   chunks = parse_chunks(a.row_chunk)
-  if a.batch_size < 1 or a.steps < 1 or a.warmup < 0:
-    raise UserError("--batch-size and --steps must be positive, --warmup non-negative")
+  from benchmarks import step_throughput as st
+
+  st.check_counts(a, batch_size=1, steps=1, warmup=0)
   from pcsr_jax import engine, methods
   from pcsr_jax.methods.base import splits_into_passes
   from pcsr_jax.models import get_config
 
   get_config(a.arch)
   methods.get(a.method)
-  devices = a.cpu_devices or 1
+  cpu_devices = a.cpu_devices if a.cpu_devices is not None else st.default_cpu_devices(a.batch_size)
+  engine.use_cpu_devices(cpu_devices)  # first: it checks the count
+  devices = cpu_devices or 1
   for c in chunks:  # `methods.base.in_row_passes` would quietly run any other setting as one pass
     if c is not None and not splits_into_passes(a.batch_size, c, devices):
       raise UserError(f"--row-chunk: {c} rows per pass must be below and divide --batch-size {a.batch_size}, "
                       f"and split over {devices} device(s)")
-  engine.use_cpu_devices(a.cpu_devices)
-  from benchmarks import step_throughput as st
-
   model, params, x = st.jax_inputs(a.arch, a.batch_size)
   steps = {}
   for c in chunks:

@@ -319,6 +319,17 @@ def time_torch(method_name: str, model, x, *, arch: str, steps: int, warmup: int
               dtype == "float32" else None, version=torch.__version__, threads=torch.get_num_threads())
 
 
+def check_counts(a: argparse.Namespace, **least: int) -> None:
+  """The benchmarks' count flags: ``least`` maps each attribute of ``a`` (``batch_size`` for ``--batch-size``) to
+  its smallest value, 1 or 0; one left unset (None) passes. The first below its least is a `UserError` naming
+  the flag: ``--steps: expected a positive integer, got 0``."""
+  for name, low in least.items():
+    value = getattr(a, name)
+    if value is not None and value < low:
+      kind = "a positive" if low else "a non-negative"
+      raise UserError(f"--{name.replace('_', '-')}: expected {kind} integer, got {value}")
+
+
 def default_cpu_devices(batch_size: int, env=None, cores: int | None = None) -> int | None:
   """``--cpu-devices``' default: on a CPU-only host (`malloc.cpu_only`), one JAX device per core this process
   may run on, lowered to the most that divide ``batch_size`` (2 cores, batch 16: 2; batch 1: 1), the setting
@@ -566,10 +577,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   from pcsr_jax.models import get_config
 
   get_config(a.arch)  # validate before spawning workers
-  for flag, value, least in (("batch-size", a.batch_size, 1), ("steps", a.steps, 1), ("warmup", a.warmup, 0),
-                            ("rounds", a.rounds, 1), ("interleave", a.interleave, 1)):
-    if value is not None and value < least:
-      raise UserError(f"--{flag}: expected {'a positive' if least else 'a non-negative'} integer, got {value}")
+  check_counts(a, batch_size=1, steps=1, warmup=0, rounds=1, interleave=1)
   if a.interleave and a.rounds > 1:
     raise UserError("--interleave and --rounds: choose one (interleaved slices replace rounds of fresh workers)")
   if a.worker:

@@ -76,8 +76,9 @@ def use_cpu_devices(n: Optional[int]) -> None:
     raise UserError(f"--cpu-devices: expected a positive number of devices, got {n}")
   try:
     jax.config.update("jax_num_cpu_devices", int(n))
-  except RuntimeError as e:  # the backend is already running
-    raise UserError(f"--cpu-devices: too late, {str(e).splitlines()[0]}") from None
+  except RuntimeError as e:  # the backend is already running: fine if it already has n CPU devices
+    if len(jax.local_devices(backend="cpu")) != n:
+      raise UserError(f"--cpu-devices: too late, {str(e).splitlines()[0]}") from None
 
 
 def data_mesh(devices: Optional[list] = None) -> Mesh:

@@ -124,6 +124,9 @@ def test_flag_values(world, tmp_path):
     fails(match, world, tmp_path / "out", *flags)
   jax.devices()  # the backend runs in this process: too late to split the CPU
   fails("--cpu-devices: too late", world, tmp_path / "out", "--cpu-devices", "2")
+  from pcsr_jax import engine
+
+  engine.use_cpu_devices(len(jax.local_devices(backend="cpu")))  # as many as it runs: nothing to change, no error
 
 
 def test_output_paths(world, tmp_path):

@@ -348,7 +348,7 @@ def test_profile_step_counts_the_executed_work_of_every_pass_of_a_loop(capsys, t
 
   out_json = str(tmp_path / "p.json")
   argv = ["--arch", "vit_tiny_patch32_224", "--batch-size", "4", "--method", "source,foa", "--frameworks", "jax",
-          "--steps", "1", "--warmup", "0", "--top", "1", "--json", out_json]
+          "--steps", "1", "--warmup", "0", "--top", "1", "--cpu-devices", "1", "--json", out_json]
   assert profile_step.main(argv) == 0
   out = capsys.readouterr().out
   runs = {m: r["jax"]["executed_flops"] for m, r in json.load(open(out_json))["methods"].items()}
@@ -366,12 +366,23 @@ def test_profile_step_counts_the_executed_work_of_every_pass_of_a_loop(capsys, t
   assert rows["source"] == f"{runs['source'] / 1e9:.1f}" and rows["foa"] == f"{runs['foa'] / 1e9:.1f}", rows
 
 
+def test_profile_step_names_the_count_flag_it_refuses():
+  from benchmarks import profile_step
+  from pcsr_jax.errors import UserError
+
+  for flag, value, kind in (("--steps", "0", "a positive"), ("--warmup", "-2", "a non-negative"),
+                            ("--row-chunk", "0", "a positive"), ("--top", "-1", "a non-negative")):
+    with pytest.raises(UserError, match=f"^{flag}: expected {kind} integer, got {value}$"):
+      profile_step.main(["--arch", "vit_tiny_patch32_224", "--method", "tent", flag, value])
+
+
 def test_row_chunk_ab_times_each_setting_in_turn_and_rejects_settings_that_would_run_as_one_pass(capsys):
   from benchmarks import row_chunk_ab
   from pcsr_jax.errors import UserError
 
+  # One device, as the JAX already running in this process has (the default is one per core).
   argv = ["--arch", "vit_tiny_patch32_224", "--batch-size", "4", "--method", "tent", "--row-chunk", "none,2",
-          "--steps", "2", "--warmup", "0"]
+          "--steps", "2", "--warmup", "0", "--cpu-devices", "1"]
   assert row_chunk_ab.main(argv) == 0
   out = capsys.readouterr().out.splitlines()
   rows = {l.split("median")[0].strip(): l for l in out[1:]}
@@ -382,3 +393,6 @@ def test_row_chunk_ab_times_each_setting_in_turn_and_rejects_settings_that_would
                    ("none,x", "positive integers or 'none'")):
     with pytest.raises(UserError, match=msg):
       row_chunk_ab.main(argv[:7] + [bad] + argv[8:])
+  for flag, value, kind in (("--steps", "0", "a positive"), ("--warmup", "-1", "a non-negative")):
+    with pytest.raises(UserError, match=f"^{flag}: expected {kind} integer, got {value}$"):
+      row_chunk_ab.main(argv + [flag, value])
