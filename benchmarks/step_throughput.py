@@ -26,8 +26,8 @@ guided-diffusion UNet, 32 px, at the official step counts; only the shapes matte
 ``--cpu-devices N`` splits the CPU into N JAX devices sharing the batch (one per
 core is XLA:CPU's fastest setting; PyTorch uses all cores' threads either way); on a CPU-only host the default
 is one per core (`default_cpu_devices`), so the table's setting needs no flag.
-``PCSR_JAX_MALLOC=hugepages`` or ``reuse`` restarts the command under those glibc settings (`pcsr_jax.malloc`,
-as every command does on a CPU-only host) and both workers inherit them.
+On a CPU-only host the command restarts under mimalloc (or ``PCSR_JAX_MALLOC``'s choice: `pcsr_jax.malloc`, as
+every command does), and both workers inherit it: the same allocator on both sides.
 """
 
 from __future__ import annotations
@@ -449,9 +449,11 @@ def chosen_methods(text: str) -> tuple[str, ...]:
 
 
 def _malloc_note() -> str:
-  """The glibc malloc tunables this command runs under (`pcsr_jax.malloc`), if any: they move CPU figures."""
+  """The allocator this command runs under (`pcsr_jax.malloc`), if not glibc's defaults: a preloaded library
+  (mimalloc) or glibc's malloc tunables. It moves CPU figures."""
+  preloaded = [os.path.basename(p) for p in os.environ.get("LD_PRELOAD", "").split(":") if "malloc" in p]
   tunables = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t.startswith("glibc.malloc.")]
-  return f", {':'.join(tunables)}" if tunables else ""
+  return "".join(f", {x}" for x in (":".join(preloaded), ":".join(tunables)) if x)
 
 
 def _worker_cmd(a, argv: Sequence[str], fw: str, method: str) -> list[str]:

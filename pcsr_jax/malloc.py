@@ -1,28 +1,31 @@
-"""glibc malloc settings under which XLA:CPU stops faulting in its step buffers, set by re-executing the command.
+"""The allocator under which XLA:CPU stops faulting in its step buffers, set by re-executing the command.
 
 XLA:CPU allocates each execution's temporaries as one block per device (463 MB for a ViT-S/16 TENT step at
-batch 16 on each of 2 devices), with ``posix_memalign`` from one of its worker threads. glibc serves a block
-that large with ``mmap`` and unmaps it when the step ends: every step faults in and zeroes its whole working
-memory again, one 4 KiB page at a time (226,000 page faults per step on 2 cores, where PyTorch's step has
-21,000). ``PCSR_JAX_MALLOC`` picks how (docs/performance.md, "glibc's malloc on a CPU host", has the
-figures):
+batch 16 on each of 2 devices, 0.86 GiB for ETA's, whose forward keeps what a backward would need), with
+``posix_memalign`` from one of its worker threads. glibc serves a block that large with ``mmap`` and unmaps
+it when the step ends: every step faults in and zeroes its whole working memory again (226,000 page faults
+per TENT step on 2 cores, where PyTorch's step, many blocks of a few MB that glibc's heap keeps, has 21,000).
+``PCSR_JAX_MALLOC`` picks the allocator (docs/performance.md, "The allocator on a CPU host", has the figures):
 
-* ``hugepages`` (the default): glibc asks for transparent huge pages on its mappings (``hugetlb=1``), so the
-  kernel maps the block in 2 MiB pages: far fewer faults, the same memory.
+* ``mimalloc`` (the default where it is installed: ``cmeel-mimalloc``, a dependency on x86-64 Linux):
+  Microsoft's mimalloc, preloaded (``LD_PRELOAD``). It keeps freed memory a few milliseconds before giving it
+  back, so a step takes the previous step's pages again: no faults, no kernel time, and the same peak memory
+  as glibc's (ViT-S/16 TENT at batch 64: 4.4 GB either way). JAX's EATA and DeYO steps at batch 16 went from
+  0.85-0.90x PyTorch's to 0.98-1.03x.
+* ``hugepages`` (the default where mimalloc is not installed): glibc asks for transparent huge pages on its
+  mappings (``hugetlb=1``): 2 MiB faults, the same memory. The kernel still zeroes (and, with THP's usual
+  ``defrag=madvise``, compacts memory for) every page of every step: 0.1-1.0 s of kernel time per ETA step
+  at batch 16, 1-3 s per TENT step at batch 64 (10-20% of it).
 * ``system``: glibc's defaults, nothing set, no restart.
-* ``reuse``: one arena, no ``mmap``, no trimming: the freed block stays in the heap and the next step takes it
-  back, no faults at all once the heap has found room for a step's blocks (a few steps), at up to 3 times
-  the memory at batch 64, where a single heap fragments.
+* ``reuse``: glibc with one arena, no ``mmap``, no trimming: no faults once the heap has found room for a
+  step's blocks (a few steps), at up to 3 times the memory at batch 64, where a single heap fragments.
 
-Both speed up a small batch (batch 16: about 10% on JAX's TENT step); at the protocol's batch 64, in passes of
-16 rows, neither is faster, and ``reuse``'s single heap fragments (up to 3 times the memory). ``hugepages``
-costs no memory and no speed anywhere measured, so it is the default on a CPU backend: under ``system`` the
-README's batch-16 step table did not hold (TENT 0.83x PyTorch, SAR 0.79x), under ``hugepages`` it does
-(1.05x, 1.04x; docs/performance.md). The restart costs one more interpreter start per command. glibc reads these settings (``GLIBC_TUNABLES``) once, at
-process start, so `reexec` starts the command again with them. It does so only where JAX will run on the CPU
-(no accelerator plugin installed, or ``JAX_PLATFORMS=cpu``): on an accelerator host the step's memory is the
-device's. A ``GLIBC_TUNABLES`` that already sets a malloc tunable is left as it is; a kernel without
-transparent huge pages ignores ``hugetlb``.
+The restart costs one more interpreter start per command. The loader reads ``LD_PRELOAD`` and glibc its
+``GLIBC_TUNABLES`` once, at process start, so `reexec` starts the command again with them (its child
+processes inherit them). It does so only on Linux with glibc where JAX will run on the CPU (no accelerator
+plugin installed, or ``JAX_PLATFORMS=cpu``): on an accelerator host the step's memory is the device's. A
+``GLIBC_TUNABLES`` that already sets a malloc tunable, or an ``LD_PRELOAD`` that already loads an allocator
+(jemalloc, tcmalloc, mimalloc), is left as it is: the user's own choice wins.
 """
 
 from __future__ import annotations
@@ -39,9 +42,12 @@ from pcsr_jax.errors import UserError
 HUGEPAGES = "glibc.malloc.hugetlb=1"
 # One arena (the main one, whose heap can grow to any size), never mmap, never give the top of the heap back.
 REUSE = "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1099511627776"
-MODES: dict[str, Optional[str]] = {"hugepages": HUGEPAGES, "reuse": REUSE, "system": None}
+MIMALLOC = "mimalloc"
+# The glibc modes' tunables (None: glibc's own); `MIMALLOC` preloads a library instead.
+MODES: dict[str, Optional[str]] = {MIMALLOC: None, "hugepages": HUGEPAGES, "reuse": REUSE, "system": None}
 ENV = "PCSR_JAX_MALLOC"
-DEFAULT = "hugepages"
+MIMALLOC_DIST = "cmeel-mimalloc"  # the wheel that ships libmimalloc.so
+FALLBACK = "hugepages"  # the default where mimalloc is not installed
 
 
 def _accelerator_installed() -> bool:
@@ -54,21 +60,56 @@ def on_glibc() -> bool:
   return sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
 
 
+def mimalloc_library() -> Optional[str]:
+  """The path of the installed ``libmimalloc.so.*`` (`MIMALLOC_DIST`), or None."""
+  try:
+    files = importlib.metadata.files(MIMALLOC_DIST) or []
+  except importlib.metadata.PackageNotFoundError:
+    return None
+  libs = sorted(str(f.locate()) for f in files if f.name.startswith("libmimalloc.so"))
+  return next((lib for lib in libs if os.path.isfile(lib)), None)
+
+
+def default_mode() -> str:
+  """``mimalloc`` where it is installed, else `FALLBACK`."""
+  return MIMALLOC if mimalloc_library() else FALLBACK
+
+
 def mode(env: Mapping[str, str]) -> str:
-  """The mode ``env`` asks for (``PCSR_JAX_MALLOC``, default `DEFAULT`); a `UserError` naming it if unknown."""
-  m = env.get(ENV, DEFAULT)
+  """The mode ``env`` asks for (``PCSR_JAX_MALLOC``, default `default_mode`); a `UserError` naming it if unknown."""
+  m = env.get(ENV) or default_mode()
   if m not in MODES:
     raise UserError(f"{ENV}={m!r}: expected one of {', '.join(MODES)}")
   return m
 
 
+def users_own(env: Mapping[str, str]) -> bool:
+  """Whether ``env`` already picks the allocator: a glibc malloc tunable, or a preloaded allocator library."""
+  preloaded = [os.path.basename(p) for p in env.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p]
+  return "glibc.malloc." in env.get("GLIBC_TUNABLES", "") or any("malloc" in p for p in preloaded)
+
+
 def tunables(env: Mapping[str, str]) -> Optional[str]:
-  """The malloc tunables a process started with ``env`` should get: those of its `mode` on glibc with
-  CPU-only JAX, unless ``GLIBC_TUNABLES`` already sets one (the user's own win); else None."""
+  """The glibc malloc tunables a process started with ``env`` should get: those of its glibc `mode` on glibc
+  with CPU-only JAX, unless the allocator is the user's own (`users_own`); else None."""
   wanted = MODES[mode(env)]
-  if wanted is None or not on_glibc() or "glibc.malloc." in env.get("GLIBC_TUNABLES", ""):
+  if wanted is None or not on_glibc() or users_own(env):
     return None
   return wanted if cpu_only(env) else None
+
+
+def preload(env: Mapping[str, str]) -> Optional[str]:
+  """The allocator library a process started with ``env`` should preload: mimalloc's where its `mode` is
+  ``mimalloc``, on glibc with CPU-only JAX, unless the allocator is the user's own; else None. Asked for by
+  name and not installed: a `UserError`."""
+  if mode(env) != MIMALLOC or not on_glibc() or users_own(env) or not cpu_only(env):
+    return None
+  lib = mimalloc_library()
+  if lib is None:
+    others = ", ".join(m for m in MODES if m != MIMALLOC)
+    raise UserError(f"{ENV}={MIMALLOC}: {MIMALLOC_DIST} is not installed (pip install {MIMALLOC_DIST}), or "
+                    f"choose one of {others}")
+  return lib
 
 
 def cpu_only(env: Mapping[str, str]) -> bool:
@@ -79,20 +120,24 @@ def cpu_only(env: Mapping[str, str]) -> bool:
 
 
 def tuned_env(env: Mapping[str, str]) -> dict[str, str]:
-  """``env`` with `tunables` added to ``GLIBC_TUNABLES`` (the user's other tunables kept)."""
+  """``env`` with `tunables` added to ``GLIBC_TUNABLES`` or `preload`'s library to ``LD_PRELOAD`` (the user's
+  other entries kept)."""
   out = dict(env)
-  extra = tunables(env)
+  extra, lib = tunables(env), preload(env)
   if extra:
     out["GLIBC_TUNABLES"] = ":".join(filter(None, (env.get("GLIBC_TUNABLES", ""), extra)))
+  if lib:
+    out["LD_PRELOAD"] = ":".join(filter(None, (lib, env.get("LD_PRELOAD", ""))))
   return out
 
 
 def reexec(environ: Mapping[str, str] = os.environ) -> None:
-  """Replaces this process with the same command line under `tunables`, where wanted; else returns. Call
-  first thing in a command (before JAX starts, so nothing is lost); the new process finds the settings in its
-  environment and goes on. An unknown ``PCSR_JAX_MALLOC`` raises `UserError` (`cli.run_cli`: one line)."""
+  """Replaces this process with the same command line under `tunables` or `preload`, where wanted; else
+  returns. Call first thing in a command (before JAX starts, so nothing is lost); the new process finds the
+  settings in its environment and goes on. An unknown ``PCSR_JAX_MALLOC`` raises `UserError` (`cli.run_cli`:
+  one line)."""
   env = tuned_env(environ)
-  if env.get("GLIBC_TUNABLES") == environ.get("GLIBC_TUNABLES"):
+  if env == dict(environ):
     return
   sys.stdout.flush()
   sys.stderr.flush()

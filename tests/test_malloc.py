@@ -1,5 +1,5 @@
-"""pcsr_jax.malloc: the glibc settings under which XLA:CPU stops faulting in its step buffers (each mode), and
-the CLI restart that sets them."""
+"""pcsr_jax.malloc: the allocators under which XLA:CPU stops faulting in its step buffers (each mode), and the
+CLI restart that sets them."""
 
 import json
 import os
@@ -16,23 +16,39 @@ CPU = {"JAX_PLATFORMS": "cpu"}
 pytestmark = pytest.mark.skipif(not malloc.on_glibc(), reason="glibc's settings: elsewhere nothing is done")
 
 
-def test_each_mode_adds_its_tunables_once_and_only_where_wanted():
+def test_each_mode_adds_its_setting_once_and_only_where_wanted():
+  lib = malloc.mimalloc_library()
+  assert lib and os.path.basename(lib).startswith("libmimalloc.so")  # a dependency on x86-64 Linux
   system = {**CPU, "PATH": "/bin", malloc.ENV: "system"}
   assert malloc.tuned_env(system) == system  # glibc's own: nothing added
-  # The default on a CPU backend is huge pages (the step table's batch-16 cells need them).
-  assert malloc.tuned_env({**CPU, "PATH": "/bin"}) == {**CPU, "PATH": "/bin", "GLIBC_TUNABLES": malloc.HUGEPAGES}
+  # The default on a CPU backend is mimalloc, preloaded (the user's other preloads kept, after it).
+  default = malloc.tuned_env({**CPU, "PATH": "/bin"})
+  assert default == {**CPU, "PATH": "/bin", "LD_PRELOAD": lib}
+  assert malloc.tuned_env(default) == default  # the restarted process does not restart again
+  assert malloc.tuned_env({**CPU, "LD_PRELOAD": "/x/libfoo.so"})["LD_PRELOAD"] == f"{lib}:/x/libfoo.so"
   huge = {**CPU, malloc.ENV: "hugepages"}
   env = malloc.tuned_env(huge)
   assert env == {**huge, "GLIBC_TUNABLES": malloc.HUGEPAGES}
-  assert malloc.tuned_env(env) == env  # the restarted process does not restart again
+  assert malloc.tuned_env(env) == env
   assert malloc.tuned_env({**CPU, malloc.ENV: "reuse"})["GLIBC_TUNABLES"] == malloc.REUSE
   other = malloc.tuned_env({**huge, "GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX2"})
   assert other["GLIBC_TUNABLES"] == "glibc.cpu.hwcaps=-AVX2:" + malloc.HUGEPAGES  # the user's other tunables kept
-  own = {**huge, "GLIBC_TUNABLES": "glibc.malloc.arena_max=4"}
-  assert malloc.tuned_env(own) == own  # the user's own malloc settings win
-  assert malloc.tunables({"JAX_PLATFORMS": "cuda", malloc.ENV: "reuse"}) is None  # a GPU's memory is not malloc's
-  with pytest.raises(UserError, match="PCSR_JAX_MALLOC='tuned': expected one of hugepages, reuse, system"):
+  # The user's own allocator wins: glibc malloc tunables, or a preloaded jemalloc.
+  arenas = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=4"}
+  for own in ({**huge, **arenas}, {**CPU, **arenas}, {**CPU, "LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}):
+    assert malloc.tuned_env(own) == own
+  for mode in ("reuse", "mimalloc"):  # a GPU's memory is not malloc's
+    assert malloc.tuned_env({"JAX_PLATFORMS": "cuda", malloc.ENV: mode}) == {"JAX_PLATFORMS": "cuda", malloc.ENV: mode}
+  with pytest.raises(UserError, match="PCSR_JAX_MALLOC='tuned': expected one of mimalloc, hugepages, reuse, system"):
     malloc.tuned_env({**CPU, malloc.ENV: "tuned"})
+
+
+def test_without_mimalloc_the_default_is_hugepages_and_asking_for_it_is_one_line(monkeypatch):
+  monkeypatch.setattr(malloc, "mimalloc_library", lambda: None)  # as where the wheel is not installed
+  assert malloc.default_mode() == "hugepages"
+  assert malloc.tuned_env(dict(CPU)) == {**CPU, "GLIBC_TUNABLES": malloc.HUGEPAGES}
+  with pytest.raises(UserError, match="^PCSR_JAX_MALLOC=mimalloc: cmeel-mimalloc is not installed"):
+    malloc.tuned_env({**CPU, malloc.ENV: "mimalloc"})
 
 
 # A CLI whose step has a 128 MiB temporary (h, between two dots): its page faults per call (the fewest of 4
@@ -54,14 +70,15 @@ def main(argv):
     for _ in range(5):
       f(x, w1, w2).block_until_ready()
     rounds.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5)
-  print(json.dumps(dict(faults=min(rounds), tunables=os.environ.get("GLIBC_TUNABLES"))))
+  maps = open("/proc/self/maps").read()
+  print(json.dumps(dict(faults=min(rounds), tunables=os.environ.get("GLIBC_TUNABLES"), mimalloc="libmimalloc" in maps)))
 
 run_cli(main, sys.argv[1:])
 """
 
 
 def _run(extra_env: dict) -> subprocess.CompletedProcess:
-  env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", malloc.ENV)}
+  env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LD_PRELOAD", malloc.ENV)}
   return subprocess.run([sys.executable, "-c", _CLI], env={**env, **CPU, **extra_env}, cwd=ROOT,
                         capture_output=True, text=True, timeout=300)
 
@@ -83,21 +100,25 @@ def _thp_mode() -> str:
     return "never"
 
 
-def test_cli_restarts_under_reuse_and_xla_stops_faulting_in_its_buffers():
+def test_cli_restarts_under_mimalloc_by_default_or_reuse_and_xla_stops_faulting_in_its_buffers():
+  default = _faults({})
   reuse = _faults({malloc.ENV: "reuse"})
   system = _faults({malloc.ENV: "system"})  # no restart
+  assert default["mimalloc"] and default["tunables"] is None
   assert reuse["tunables"] == malloc.REUSE and system["tunables"] is None
+  assert not reuse["mimalloc"] and not system["mimalloc"]
   # Under glibc's defaults the temporary is mapped afresh on every call (with transparent huge pages, in 2 MiB
-  # pages: 64 faults); reused, it faults no page at all after the first calls.
+  # pages: 64 faults); kept by mimalloc or reused from glibc's heap, it faults almost no page after the first calls.
   assert system["faults"] >= 64
-  assert reuse["faults"] < min(0.02 * PAGES, system["faults"] / 4), (reuse, system)
+  for kept in (default, reuse):
+    assert kept["faults"] < min(0.02 * PAGES, system["faults"] / 4), (kept, system)
 
 
-def test_cli_restarts_under_hugepages_by_default_and_faults_in_2_mib_pages():
+def test_cli_restarts_under_hugepages_and_faults_in_2_mib_pages():
   if _thp_mode() == "never":
     pytest.skip("this kernel has no transparent huge pages (glibc ignores hugetlb=1)")
-  huge = _faults({})  # the default
-  assert huge["tunables"] == malloc.HUGEPAGES
+  huge = _faults({malloc.ENV: "hugepages"})
+  assert huge["tunables"] == malloc.HUGEPAGES and not huge["mimalloc"]
   # 64 huge pages (and some small ones for the step's other buffers) instead of 32,768 small ones; a kernel
   # that cannot find a free 2 MiB page falls back to small ones, hence the margin.
   assert huge["faults"] < 0.1 * PAGES, huge
@@ -106,5 +127,5 @@ def test_cli_restarts_under_hugepages_by_default_and_faults_in_2_mib_pages():
 def test_an_unknown_mode_is_one_line_and_exit_2():
   r = _run({malloc.ENV: "tuned"})
   assert r.returncode == 2 and r.stdout == ""
-  assert r.stderr.strip().splitlines() == ["-c: error: PCSR_JAX_MALLOC='tuned': expected one of hugepages, reuse, "
-                                           "system"], r.stderr
+  assert r.stderr.strip().splitlines() == ["-c: error: PCSR_JAX_MALLOC='tuned': expected one of mimalloc, hugepages, "
+                                           "reuse, system"], r.stderr
