@@ -396,3 +396,22 @@ def test_row_chunk_ab_times_each_setting_in_turn_and_rejects_settings_that_would
   for flag, value, kind in (("--steps", "0", "a positive"), ("--warmup", "-1", "a non-negative")):
     with pytest.raises(UserError, match=f"^{flag}: expected {kind} integer, got {value}$"):
       row_chunk_ab.main(argv + [flag, value])
+
+
+def test_alloc_steps_runs_under_the_commands_allocator_and_prints_each_steps_kernel_share():
+  from pcsr_jax import malloc
+
+  env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LD_PRELOAD", malloc.ENV)}
+  r = subprocess.run([sys.executable, "-m", "benchmarks.alloc_steps", "--arch", "vit_tiny_patch32_224",
+                      "--batch-size", "2", "--method", "source,tent", "--steps", "2", "--warmup", "0"],
+                     env={**env, "JAX_PLATFORMS": "cpu"}, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-2000:]
+  out = r.stdout.splitlines()
+  # The command restarted under the default allocator and says so.
+  assert out[0].endswith("allocator: " + os.path.basename(malloc.mimalloc_library())), out[0]
+  for m in ("source", "tent"):
+    i = next(k for k, line in enumerate(out) if line.startswith(f"{m}: median wall"))
+    cols = {line[:11].strip(): line[11:].split() for line in out[i + 1:i + 6]}
+    assert set(cols) == {"wall s", "user s", "kernel s", "faults", "RSS MiB"}, out
+    assert all(len(v) == 2 for v in cols.values()), out
+    assert all(float(w) > 0 for w in cols["wall s"]) and all(float(k) >= 0 for k in cols["kernel s"])
