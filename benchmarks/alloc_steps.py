@@ -13,7 +13,6 @@ the kernel seconds and the faults are the allocator's own cost. One process, met
 
 from __future__ import annotations
 
-import os
 import resource
 import statistics
 import sys
@@ -27,7 +26,7 @@ def parser() -> ArgumentParser:
   p = ArgumentParser(prog="alloc_steps.py", description=__doc__.split("\n\n")[0])
   p.add_argument("--arch", default="vit_small_patch16_224")
   p.add_argument("--batch-size", type=int, default=16)
-  p.add_argument("--method", default="tent", help="a registered method or a comma-separated list")
+  p.add_argument("--method", default="tent", help="a registered method, a comma-separated list, or 'all'")
   p.add_argument("--steps", type=int, default=5, help="timed steps of each method")
   p.add_argument("--warmup", type=int, default=2, help="untimed steps of each method after its first")
   p.add_argument("--cpu-devices", type=int, help="split the CPU into N JAX devices (default as step_throughput.py's: "
@@ -43,23 +42,16 @@ def allocator() -> str:
   return _malloc_note().lstrip(", ") or "glibc's defaults"
 
 
-def resident_mb() -> float:
-  with open("/proc/self/statm") as f:
-    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
 def main(argv: Sequence[str] | None = None) -> int:
   a = parser().parse_args(list(sys.argv[1:] if argv is None else argv))
   from benchmarks import step_throughput as st
 
   st.check_counts(a, batch_size=1, steps=1, warmup=0, row_chunk=1)
-  from pcsr_jax import engine, methods
+  from pcsr_jax import engine
   from pcsr_jax.models import get_config
 
   get_config(a.arch)
-  chosen = [m.strip() for m in a.method.split(",") if m.strip()]
-  for m in chosen:
-    methods.get(m)
+  chosen = st.chosen_methods(a.method)
   engine.use_cpu_devices(a.cpu_devices if a.cpu_devices is not None else st.default_cpu_devices(a.batch_size))
   import time
 
@@ -79,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       sync()
       wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
       rows.append((wall, r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime, r1.ru_minflt - r0.ru_minflt,
-                   resident_mb()))
+                   st.rss_mb()))
     cols = list(zip(*rows))
     print(f"{m}: median wall {statistics.median(cols[0]):.2f} s, kernel {statistics.median(cols[2]):.2f} s, "
           f"faults {statistics.median(cols[3]):.0f} per step; peak RSS "

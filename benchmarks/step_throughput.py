@@ -451,7 +451,9 @@ def chosen_methods(text: str) -> tuple[str, ...]:
 def _malloc_note() -> str:
   """The allocator this command runs under (`pcsr_jax.malloc`), if not glibc's defaults: a preloaded library
   (mimalloc) or glibc's malloc tunables. It moves CPU figures."""
-  preloaded = [os.path.basename(p) for p in os.environ.get("LD_PRELOAD", "").split(":") if "malloc" in p]
+  from pcsr_jax import malloc
+
+  preloaded = malloc.preloaded_allocators(os.environ)
   tunables = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t.startswith("glibc.malloc.")]
   return "".join(f", {x}" for x in (":".join(preloaded), ":".join(tunables)) if x)
 

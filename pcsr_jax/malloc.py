@@ -31,6 +31,7 @@ plugin installed, or ``JAX_PLATFORMS=cpu``): on an accelerator host the step's m
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 import os
@@ -61,8 +62,10 @@ def on_glibc() -> bool:
   return sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
 
 
+@functools.cache
 def mimalloc_library() -> Optional[str]:
-  """The path of the installed ``libmimalloc.so.*`` (`MIMALLOC_DIST`), or None."""
+  """The path of the installed ``libmimalloc.so.*`` (`MIMALLOC_DIST`), or None (looked up once per process:
+  `tuned_env` asks up to three times at every command's start)."""
   try:
     files = importlib.metadata.files(MIMALLOC_DIST) or []
   except importlib.metadata.PackageNotFoundError:
@@ -84,10 +87,15 @@ def mode(env: Mapping[str, str]) -> str:
   return m
 
 
+def preloaded_allocators(env: Mapping[str, str]) -> list[str]:
+  """The allocator libraries ``env``'s ``LD_PRELOAD`` loads (jemalloc, tcmalloc, mimalloc), by file name."""
+  preloaded = [os.path.basename(p) for p in env.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p]
+  return [p for p in preloaded if "malloc" in p]
+
+
 def users_own(env: Mapping[str, str]) -> bool:
   """Whether ``env`` already picks the allocator: a glibc malloc tunable, or a preloaded allocator library."""
-  preloaded = [os.path.basename(p) for p in env.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p]
-  return "glibc.malloc." in env.get("GLIBC_TUNABLES", "") or any("malloc" in p for p in preloaded)
+  return "glibc.malloc." in env.get("GLIBC_TUNABLES", "") or bool(preloaded_allocators(env))
 
 
 def tunables(env: Mapping[str, str]) -> Optional[str]:
