@@ -15,8 +15,8 @@ per TENT step on 2 cores, where PyTorch's step, many blocks of a few MB that gli
   to 0.98-1.03x.
 * ``hugepages`` (the default where mimalloc is not installed): glibc asks for transparent huge pages on its
   mappings (``hugetlb=1``): 2 MiB faults, the same memory. The kernel still zeroes (and, with THP's usual
-  ``defrag=madvise``, compacts memory for) every page of every step: 0.1-1.0 s of kernel time per ETA step
-  at batch 16, 1-3 s per TENT step at batch 64 (10-20% of it).
+  ``defrag=madvise``, compacts memory for) every page of every step: 0.08-0.43 s of kernel time per ETA step
+  at batch 16, 1.41-1.88 s per TENT step at batch 64 (11-15% of it; ``benchmarks/alloc_steps.py``).
 * ``system``: glibc's defaults, nothing set, no restart.
 * ``reuse``: glibc with one arena, no ``mmap``, no trimming: no faults once the heap has found room for a
   step's blocks (a few steps), at up to 3 times the memory at batch 64, where a single heap fragments.
