@@ -127,3 +127,26 @@ def test_partial_takes_only_the_finished_units_of_a_run_under_way(run, tmp_path)
   (tmp_path / "empty").mkdir()
   with pytest.raises(UserError, match=r"empty: neither results.json nor resume/progress.json"):
     merge_results.main([str(tmp_path / "empty"), "--partial"])
+
+
+def test_speed_takes_the_img_per_s_column_from_another_run_of_the_same_setting(run, tmp_path):
+  data, table = run
+  a, b = _split(data, tmp_path)
+  quick = copy.deepcopy(data)  # a shorter run of both methods, timed alone: its own img/s
+  quick["config"]["images_per_corruption"] = 3
+  quick["throughput"] = {"source/seed1": {"images": 6, "seconds": 0.5, "images_per_s": 12.0},
+                         "tent/seed1": {"images": 6, "seconds": 2.0, "images_per_s": 3.0}}
+  (tmp_path / "quick.json").write_text(json.dumps(quick))
+  assert merge_results.main([a, b, "--speed", str(tmp_path / "quick.json"), "--output", str(tmp_path / "t.md")]) == 0
+  rows = (tmp_path / "t.md").read_text().strip().split("\n")
+  for g, w in zip(rows, table.strip().split("\n")):
+    assert g.rstrip(" |").rsplit("|", 1)[0] + "|" == w  # the accuracy cells are the merged runs'
+  assert rows[2].endswith(" 12 |") and rows[3].endswith(" 3 |")
+  del quick["throughput"]["tent/seed1"]
+  (tmp_path / "quick.json").write_text(json.dumps(quick))
+  with pytest.raises(UserError, match=r"--speed .*quick.json: no img/s for tent; expected a run of every merged"):
+    merge_results.main([a, b, "--speed", str(tmp_path / "quick.json")])
+  quick["config"]["batch_size"] = 64
+  (tmp_path / "quick.json").write_text(json.dumps(quick))
+  with pytest.raises(UserError, match=r"--speed .*quick.json: batch_size is 64, but .*part0/results.json has 8"):
+    merge_results.main([a, b, "--speed", str(tmp_path / "quick.json")])

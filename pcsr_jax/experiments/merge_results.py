@@ -9,6 +9,11 @@ layout of `results.table` with one more column: each method's images/s, the medi
 it adapted on over the seconds they took, followed by its seeds where a method has fewer than another.
 ``--partial`` also takes the finished units of a run still under way (its ``resume/progress.json``), so that a
 run whose slowest methods are left to finish elsewhere still gives its finished ones.
+
+A long run split over processes that share a machine (or were paused) times each unit against its neighbours,
+so its img/s say little about a method's speed. ``--speed RUN`` takes the img/s column from another finished
+run instead (the same dataset, setting, batch size and dtype; any number of images), e.g. a short run of every
+method with the machine to itself.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from pcsr_jax.errors import ArgumentParser, UserError
 # output or the loader: they may differ between runs (a (method, seed) unit is taken from one run only).
 SAME = ("data", "dataset", "corruptions", "severity", "setting", "batch_size", "limit", "shuffle",
         "images_per_corruption", "corruption_seed", "dtype", "eval_order", "imbalance_ratio")
+# What a --speed run must share with the merged runs for its img/s to be theirs: not the stream's length.
+SAME_SPEED = ("data", "dataset", "setting", "batch_size", "dtype")
 
 
 def load_progress(run: str) -> dict:
@@ -69,8 +76,13 @@ def load(run: str, partial: bool = False) -> dict:
   return out
 
 
-def merge(runs: Sequence[dict]) -> str:
-  """The merged table (markdown): `results.table` over every run's records, plus an img/s column."""
+def _images_per_s(runs: Sequence[dict], method: str) -> list[float]:
+  return [u["images_per_s"] for run in runs for k, u in run["throughput"].items() if k.split("/", 1)[0] == method]
+
+
+def merge(runs: Sequence[dict], speed: dict | None = None) -> str:
+  """The merged table (markdown): `results.table` over every run's records, plus an img/s column (from
+  ``speed``, a `load`ed run, when given)."""
   first = runs[0]
   for run in runs[1:]:
     for key in SAME:
@@ -90,9 +102,19 @@ def merge(runs: Sequence[dict]) -> str:
   records = [r for run in runs for r in run["records"]]
   seeds = {m: sorted(s for mm, s in owner if mm == m) for m in methods}
   most = max(len(s) for s in seeds.values())
+  if speed is not None:
+    for key in SAME_SPEED:
+      if speed["config"].get(key) != first["config"].get(key):
+        raise UserError(f"--speed {speed['path']}: {key} is {speed['config'].get(key)!r}, but {first['path']} has "
+                        f"{first['config'].get(key)!r}; expected a run of the same dataset, setting, batch size "
+                        "and dtype")
+    missing = [m for m in methods if not _images_per_s([speed], m)]
+    if missing:
+      raise UserError(f"--speed {speed['path']}: no img/s for {', '.join(missing)}; expected a run of every "
+                      "merged method")
   cells = {}
   for m in methods:
-    ips = [u["images_per_s"] for run in runs for k, u in run["throughput"].items() if k.split("/", 1)[0] == m]
+    ips = _images_per_s([speed] if speed is not None else runs, m)
     named = f"seed{'s' if len(seeds[m]) > 1 else ''} {', '.join(map(str, seeds[m]))}"
     fewer = "" if len(seeds[m]) == most else f" ({named})"
     cells[m] = f"{np.median(ips):.0f}{fewer}"
@@ -105,8 +127,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--output", help="also write the table to this markdown file")
   p.add_argument("--partial", action="store_true", help="also take the finished units of runs still under way "
                  "(their resume/progress.json)")
+  p.add_argument("--speed", help="take each method's img/s from this finished run (its folder or results.json) "
+                 "instead: one with the machine to itself, of the same dataset, setting, batch size and dtype")
   a = p.parse_args(argv)
-  table = merge([load(r, a.partial) for r in a.runs])
+  table = merge([load(r, a.partial) for r in a.runs], speed=load(a.speed) if a.speed else None)
   print(table, end="")
   if a.output:
     with open(a.output, "w", encoding="utf-8") as f:
