@@ -76,6 +76,11 @@ def load(run: str, partial: bool = False) -> dict:
   return out
 
 
+def _first_difference(run: dict, other: dict, keys: Sequence[str]) -> str | None:
+  """The first of ``keys`` whose config value differs between the two loaded runs, or None."""
+  return next((k for k in keys if run["config"].get(k) != other["config"].get(k)), None)
+
+
 def _images_per_s(runs: Sequence[dict], method: str) -> list[float]:
   return [u["images_per_s"] for run in runs for k, u in run["throughput"].items() if k.split("/", 1)[0] == method]
 
@@ -85,10 +90,9 @@ def merge(runs: Sequence[dict], speed: dict | None = None) -> str:
   ``speed``, a `load`ed run, when given)."""
   first = runs[0]
   for run in runs[1:]:
-    for key in SAME:
-      if run["config"].get(key) != first["config"].get(key):
-        raise UserError(f"{run['path']}: {key} is {run['config'].get(key)!r}, but {first['path']} has "
-                        f"{first['config'].get(key)!r}; merge only runs of the same stream")
+    if (key := _first_difference(run, first, SAME)) is not None:
+      raise UserError(f"{run['path']}: {key} is {run['config'].get(key)!r}, but {first['path']} has "
+                      f"{first['config'].get(key)!r}; merge only runs of the same stream")
   owner: dict[tuple[str, int], str] = {}
   methods: list[str] = []
   for run in runs:
@@ -103,11 +107,10 @@ def merge(runs: Sequence[dict], speed: dict | None = None) -> str:
   seeds = {m: sorted(s for mm, s in owner if mm == m) for m in methods}
   most = max(len(s) for s in seeds.values())
   if speed is not None:
-    for key in SAME_SPEED:
-      if speed["config"].get(key) != first["config"].get(key):
-        raise UserError(f"--speed {speed['path']}: {key} is {speed['config'].get(key)!r}, but {first['path']} has "
-                        f"{first['config'].get(key)!r}; expected a run of the same dataset, setting, batch size "
-                        "and dtype")
+    if (key := _first_difference(speed, first, SAME_SPEED)) is not None:
+      raise UserError(f"--speed {speed['path']}: {key} is {speed['config'].get(key)!r}, but {first['path']} has "
+                      f"{first['config'].get(key)!r}; expected a run of the same dataset, setting, batch size and "
+                      "dtype")
     missing = [m for m in methods if not _images_per_s([speed], m)]
     if missing:
       raise UserError(f"--speed {speed['path']}: no img/s for {', '.join(missing)}; expected a run of every "
