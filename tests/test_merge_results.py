@@ -55,7 +55,15 @@ def test_merged_table_is_the_single_runs_table_plus_img_per_s(run, tmp_path, cap
     assert cells[0] + "|" == w  # every accuracy cell as the run's own table has it
   for line, m in zip(got[2:], ("source", "tent")):
     ips = [u["images_per_s"] for k, u in data["throughput"].items() if k.startswith(m + "/")]
-    assert len(ips) == 2 and line.endswith(f" {np.median(ips):.0f} |")
+    cell = line.rstrip(" |").rsplit("|", 1)[1].strip()
+    decimals = len(cell.partition(".")[2])
+    assert len(ips) == 2 and abs(float(cell) - np.median(ips)) <= 0.5 * 10.0 ** -decimals  # the median, rounded
+    assert len(cell.replace(".", "").lstrip("0")) >= 2  # to at least two significant digits
+
+
+def test_img_per_s_cells_keep_two_significant_digits():
+  assert [merge_results.img_per_s_cell(v) for v in (1472.4, 65.4, 10.0, 9.96, 6.72, 1.34, 0.0589, 0.0)] == [
+      "1472", "65", "10", "10.0", "6.7", "1.3", "0.059", "0"]
 
 
 def test_runs_of_another_stream_or_the_same_method_twice_are_refused(run, tmp_path):
@@ -135,13 +143,13 @@ def test_speed_takes_the_img_per_s_column_from_another_run_of_the_same_setting(r
   quick = copy.deepcopy(data)  # a shorter run of both methods, timed alone: its own img/s
   quick["config"]["images_per_corruption"] = 3
   quick["throughput"] = {"source/seed1": {"images": 6, "seconds": 0.5, "images_per_s": 12.0},
-                         "tent/seed1": {"images": 6, "seconds": 2.0, "images_per_s": 3.0}}
+                         "tent/seed1": {"images": 6, "seconds": 4.5, "images_per_s": 1.3333}}
   (tmp_path / "quick.json").write_text(json.dumps(quick))
   assert merge_results.main([a, b, "--speed", str(tmp_path / "quick.json"), "--output", str(tmp_path / "t.md")]) == 0
   rows = (tmp_path / "t.md").read_text().strip().split("\n")
   for g, w in zip(rows, table.strip().split("\n")):
     assert g.rstrip(" |").rsplit("|", 1)[0] + "|" == w  # the accuracy cells are the merged runs'
-  assert rows[2].endswith(" 12 |") and rows[3].endswith(" 3 |")
+  assert rows[2].endswith(" 12 |") and rows[3].endswith(" 1.3 |")
   del quick["throughput"]["tent/seed1"]
   (tmp_path / "quick.json").write_text(json.dumps(quick))
   with pytest.raises(UserError, match=r"--speed .*quick.json: no img/s for tent; expected a run of every merged"):

@@ -19,6 +19,7 @@ method with the machine to itself.
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Sequence
 
@@ -85,6 +86,14 @@ def _images_per_s(runs: Sequence[dict], method: str) -> list[float]:
   return [u["images_per_s"] for run in runs for k, u in run["throughput"].items() if k.split("/", 1)[0] == method]
 
 
+def img_per_s_cell(value: float) -> str:
+  """A rate to at least two significant digits: whole numbers from 10 img/s up, decimals below (MEMO's and
+  DDA's 6.7 and 1.3 img/s would otherwise read 7 and 1)."""
+  if value <= 0:
+    return "0"
+  return f"{value:.{max(0, 1 - math.floor(math.log10(value)))}f}"
+
+
 def merge(runs: Sequence[dict], speed: dict | None = None) -> str:
   """The merged table (markdown): `results.table` over every run's records, plus an img/s column (from
   ``speed``, a `load`ed run, when given)."""
@@ -120,7 +129,7 @@ def merge(runs: Sequence[dict], speed: dict | None = None) -> str:
     ips = _images_per_s([speed] if speed is not None else runs, m)
     named = f"seed{'s' if len(seeds[m]) > 1 else ''} {', '.join(map(str, seeds[m]))}"
     fewer = "" if len(seeds[m]) == most else f" ({named})"
-    cells[m] = f"{np.median(ips):.0f}{fewer}"
+    cells[m] = f"{img_per_s_cell(float(np.median(ips)))}{fewer}"
   return results.table(records, first["config"]["corruptions"], methods, extra=("img/s", cells))
 
 
