@@ -415,3 +415,50 @@ def test_alloc_steps_runs_under_the_commands_allocator_and_prints_each_steps_ker
     assert set(cols) == {"wall s", "user s", "kernel s", "faults", "RSS MiB"}, out
     assert all(len(v) == 2 for v in cols.values()), out
     assert all(float(w) > 0 for w in cols["wall s"]) and all(float(k) >= 0 for k in cols["kernel s"])
+
+
+def test_cpu_table_cells_fit_the_machine_and_parse_as_step_throughput_flags():
+  from benchmarks import cpu_table, step_throughput
+
+  for c in cpu_table.COLUMNS:
+    for m in cpu_table.METHODS:
+      flags = cpu_table.cell_flags(c, m)
+      if flags is None:
+        assert m == "memo" and cpu_table.COLUMNS[c].batch_size == 64
+        continue
+      a = step_throughput.parser().parse_args(flags)
+      assert a.method == m and a.arch == cpu_table.COLUMNS[c].arch
+      # both workers alive at once only where they fit in 24 GiB together; rounds elsewhere
+      assert (a.rounds == 2 and a.interleave is None) == ((c, m) in cpu_table.ONE_AT_A_TIME)
+      assert a.batch_size == (cpu_table.COLUMNS[c].batch_size if m != "memo" else 4 if "small" in a.arch else 2)
+      assert (a.row_chunk == 16) == (a.batch_size == 64 or m == "memo")
+  assert cpu_table.cell_flags("vit_b16_b64", "cotta")[-2:] == ["--rounds", "2"]
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+def test_cpu_table_runs_each_cell_once_keeps_its_output_and_renders_the_paired_ratio(tmp_path, monkeypatch, capsys):
+  from benchmarks import cpu_table
+  from pcsr_jax.errors import UserError
+
+  monkeypatch.setitem(cpu_table.COLUMNS, "tiny", cpu_table.Column("ViT-Ti/32, batch 2", "vit_tiny_patch32_224", 2))
+  monkeypatch.setitem(cpu_table.COLUMNS, "bad", cpu_table.Column("no such arch", "vit_nonexistent", 2))
+  out = str(tmp_path / "t")
+  assert cpu_table.main(["--out", out, "--columns", "tiny", "--methods", "source"]) == 0
+  with open(os.path.join(out, "tiny", "source.json")) as f:
+    res = json.load(f)["results"]
+  raw = open(os.path.join(out, "raw.md")).read()
+  assert raw.count("python -m benchmarks.step_throughput --arch vit_tiny_patch32_224 --method source") == 1
+  assert "ratio JAX / PyTorch" in raw and len(res["paired_ratios"]) == 4
+  table = capsys.readouterr().out.strip().splitlines()[-3:]
+  assert table[0] == "| method | per batch | ViT-Ti/32, batch 2 |"
+  assert table[2] == f"| source | 1F | {res['paired_ratio_median']:.2f} |"
+  # done cells are not run again; a cell that fails is named, leaves no JSON, and the others still render
+  with pytest.raises(UserError, match=r"cells that failed .*: bad/source$"):
+    cpu_table.main(["--out", out, "--columns", "tiny,bad", "--methods", "source"])
+  raw2 = open(os.path.join(out, "raw.md")).read()
+  assert raw2.startswith(raw) and raw2.count("--arch vit_tiny_patch32_224") == 1 and "(exit 2)" in raw2
+  assert not os.path.exists(os.path.join(out, "bad", "source.json"))
+  assert capsys.readouterr().out.strip().splitlines()[-1] == f"| source | 1F | {res['paired_ratio_median']:.2f} | ? |"
+  with pytest.raises(UserError, match=r"--columns 'vit_s16_b16,nope': expected a comma-separated list of"):
+    cpu_table.main(["--out", out, "--columns", "vit_s16_b16,nope", "--render"])
