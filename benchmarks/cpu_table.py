@@ -51,7 +51,7 @@ COLUMNS = {
 METHODS = ("source", "t3a", "tent", "eta", "eata", "deyo", "cfa", "sar", "pcsr", "pcsr-frozen", "roid", "cmf",
            "spa", "adacontrast", "dept-g", "foa", "cotta", "dda", "memo")
 FAST = ("source", "t3a", "eta", "eata", "deyo")  # one forward (ETA, EATA, DeYO filter random images out)
-SLOW = ("spa", "adacontrast")  # 3 to 5 forwards and a backward
+SLOW = ("spa", "adacontrast", "dept-g")  # 3 to 5 forwards and a backward
 HEAVY = ("foa", "cotta", "dda", "memo")  # tens of forwards (FOA, CoTTA), a diffusion (DDA), 64 views (MEMO)
 # (column, method) cells whose two workers do not fit in 24 GiB together: rounds, one worker at a time.
 ONE_AT_A_TIME = {("vit_b16_b64", m) for m in ("spa", "adacontrast", "pcsr", "pcsr-frozen", "cotta")} | {

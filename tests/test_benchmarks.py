@@ -170,20 +170,6 @@ def test_dda_benchmark_unet_is_the_same_for_both_frameworks():
   np.testing.assert_allclose(got.numpy().transpose(0, 2, 3, 1), want, atol=1e-4)
 
 
-@pytest.mark.slow
-@pytest.mark.torch
-def test_step_throughput_times_dept_g_in_both_frameworks(tmp_path):
-  """DePT-G's step, timed with the benchmark's own prompts (60 s on 2 shared CPU cores)."""
-  from benchmarks import step_throughput
-
-  out = tmp_path / "r.json"
-  argv = ["--arch", "vit_tiny_patch32_224", "--batch-size", "2", "--method", "dept-g", "--steps", "1",
-          "--warmup", "0", "--json", str(out)]
-  assert step_throughput.main(argv) == 0
-  results = json.loads(out.read_text())["results"]
-  assert results["jax"]["images_per_s"] > 0 and results["torch"]["images_per_s"] > 0
-
-
 def test_augmix_views_benchmark_times_both_forms_and_rejects_bad_flags(capsys):
   from benchmarks import augmix_views
   from pcsr_jax.errors import UserError
@@ -438,27 +424,30 @@ def test_cpu_table_cells_fit_the_machine_and_parse_as_step_throughput_flags():
 @pytest.mark.torch
 @pytest.mark.slow
 def test_cpu_table_runs_each_cell_once_keeps_its_output_and_renders_the_paired_ratio(tmp_path, monkeypatch, capsys):
+  """One real cell, DePT-G's step (the benchmark's own prompts) timed in both frameworks."""
   from benchmarks import cpu_table
   from pcsr_jax.errors import UserError
 
   monkeypatch.setitem(cpu_table.COLUMNS, "tiny", cpu_table.Column("ViT-Ti/32, batch 2", "vit_tiny_patch32_224", 2))
   monkeypatch.setitem(cpu_table.COLUMNS, "bad", cpu_table.Column("no such arch", "vit_nonexistent", 2))
   out = str(tmp_path / "t")
-  assert cpu_table.main(["--out", out, "--columns", "tiny", "--methods", "source"]) == 0
-  with open(os.path.join(out, "tiny", "source.json")) as f:
+  assert cpu_table.main(["--out", out, "--columns", "tiny", "--methods", "dept-g"]) == 0
+  with open(os.path.join(out, "tiny", "dept-g.json")) as f:
     res = json.load(f)["results"]
   raw = open(os.path.join(out, "raw.md")).read()
-  assert raw.count("python -m benchmarks.step_throughput --arch vit_tiny_patch32_224 --method source") == 1
+  assert raw.count("python -m benchmarks.step_throughput --arch vit_tiny_patch32_224 --method dept-g") == 1
   assert "ratio JAX / PyTorch" in raw and len(res["paired_ratios"]) == 4
+  assert res["jax"]["images_per_s"] > 0 and res["torch"]["images_per_s"] > 0
   table = capsys.readouterr().out.strip().splitlines()[-3:]
   assert table[0] == "| method | per batch | ViT-Ti/32, batch 2 |"
-  assert table[2] == f"| source | 1F | {res['paired_ratio_median']:.2f} |"
+  assert table[2] == f"| dept-g | 5F+1B | {res['paired_ratio_median']:.2f} |"
   # done cells are not run again; a cell that fails is named, leaves no JSON, and the others still render
-  with pytest.raises(UserError, match=r"cells that failed .*: bad/source$"):
-    cpu_table.main(["--out", out, "--columns", "tiny,bad", "--methods", "source"])
+  with pytest.raises(UserError, match=r"cells that failed .*: bad/dept-g$"):
+    cpu_table.main(["--out", out, "--columns", "tiny,bad", "--methods", "dept-g"])
   raw2 = open(os.path.join(out, "raw.md")).read()
   assert raw2.startswith(raw) and raw2.count("--arch vit_tiny_patch32_224") == 1 and "(exit 2)" in raw2
-  assert not os.path.exists(os.path.join(out, "bad", "source.json"))
-  assert capsys.readouterr().out.strip().splitlines()[-1] == f"| source | 1F | {res['paired_ratio_median']:.2f} | ? |"
+  assert not os.path.exists(os.path.join(out, "bad", "dept-g.json"))
+  last = capsys.readouterr().out.strip().splitlines()[-1]
+  assert last == f"| dept-g | 5F+1B | {res['paired_ratio_median']:.2f} | ? |"
   with pytest.raises(UserError, match=r"--columns 'vit_s16_b16,nope': expected a comma-separated list of"):
     cpu_table.main(["--out", out, "--columns", "vit_s16_b16,nope", "--render"])
