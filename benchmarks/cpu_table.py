@@ -30,6 +30,7 @@ from typing import NamedTuple, Sequence
 
 from pcsr_jax.cli import run_cli
 from pcsr_jax.errors import ArgumentParser, UserError
+from pcsr_jax.experiments.common import parse_list
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -84,6 +85,11 @@ def cell_flags(column: str, method: str) -> list[str] | None:
   return flags
 
 
+def cell_path(out: str, column: str, method: str) -> str:
+  """Where a finished cell's figures are: ``out``/<column>/<method>.json."""
+  return os.path.join(out, column, f"{method}.json")
+
+
 def cell_ratio(result: dict) -> float:
   """A cell's figure: the median of its paired ratios (JAX / PyTorch)."""
   return result["paired_ratio_median"]
@@ -99,7 +105,7 @@ def render(out: str, columns: Sequence[str], methods: Sequence[str]) -> str:
   for m in methods:
     cells = []
     for c in columns:
-      path = os.path.join(out, c, f"{m}.json")
+      path = cell_path(out, c, m)
       if cell_flags(c, m) is None:
         cells.append("-")
       elif os.path.exists(path):
@@ -115,7 +121,7 @@ def run_cell(out: str, column: str, method: str, flags: list[str]) -> bool:
   """One cell: `step_throughput` with ``flags``, its output shown and appended to ``out``/raw.md, its JSON
   written last (so that a cell cut short leaves none and runs again). True if it succeeded."""
   os.makedirs(os.path.join(out, column), exist_ok=True)
-  path = os.path.join(out, column, f"{method}.json")
+  path = cell_path(out, column, method)
   cmd = [sys.executable, "-m", "benchmarks.step_throughput", *flags]
   shown = "python -m benchmarks.step_throughput " + " ".join(flags)
   with open(os.path.join(out, "raw.md"), "a") as raw:
@@ -139,7 +145,7 @@ def run_cell(out: str, column: str, method: str, flags: list[str]) -> bool:
 def _names(text: str | None, known: Sequence[str], flag: str) -> list[str]:
   if text is None:
     return list(known)
-  names = [n.strip() for n in text.split(",") if n.strip()]
+  names = parse_list(text)
   unknown = [n for n in names if n not in known]
   if unknown or not names:
     raise UserError(f"{flag} {text!r}: expected a comma-separated list of {', '.join(known)}")
@@ -164,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for c in columns:
       for m in methods:
         flags = cell_flags(c, m)
-        if flags is None or os.path.exists(os.path.join(a.out, c, f"{m}.json")):
+        if flags is None or os.path.exists(cell_path(a.out, c, m)):
           continue
         if not run_cell(a.out, c, m, flags):
           failed.append(f"{c}/{m}")
