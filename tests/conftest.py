@@ -8,11 +8,25 @@ import os
 import jax
 import pytest
 
+# XLA's CPU compiles are most of this suite's time. LLVM at -O0 compiles them about a fifth faster (the CPU time
+# of `tests/test_cotta.py::test_cotta_matches_the_official_style_reference`: 61 -> 49 s). XLA's HLO passes are
+# the same at either level; LLVM's code generation may round the last bits differently (PCSR's logits on the
+# tiny model: 1e-5 apart), which the tests' stated tolerances cover: they compare floats across programs with
+# tolerances and assert bit-identity only between programs of one run, both at -O0. Subprocesses inherit it;
+# a level already in XLA_FLAGS is kept.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"),
+                                                   "--xla_backend_optimization_level=0"]))
 jax.config.update("jax_default_matmul_precision", "highest")
 # XLA's CPU compiles dominate this suite; a persistent cache lets identical programs (the same method
 # rebuilt in another test, or in CI's second pass) skip recompiling. It changes no result.
-jax.config.update("jax_compilation_cache_dir", os.environ.get(
-    "PCSR_TEST_XLA_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "pcsr-jax", "xla-tests")))
+# The CLI runs that tests start as subprocesses use the same cache through JAX's environment variables (a
+# killed and resumed run, the multi-process runs: the same programs compiled once).
+_CACHE = os.environ.get("PCSR_TEST_XLA_CACHE",
+                        os.path.join(os.path.expanduser("~"), ".cache", "pcsr-jax", "xla-tests"))
+os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
+jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 

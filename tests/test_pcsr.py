@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pcsr_jax import methods
 from pcsr_jax.models import pcsr
 from pcsr_jax.errors import UserError
 from pcsr_jax.models import init_params
@@ -31,10 +32,27 @@ VARIANTS = [
 def with_recalibrators(config, seed=1):
   model, params = tiny_model()
   adapted = model.clone(recalibration=config)
-  fresh = init_params(adapted, jax.random.key(seed))
   full = dict(params)
-  full.update({k: v for k, v in fresh.items() if k.startswith("recal_")})
+  full.update(init_params(adapted, jax.random.key(seed), only=lambda name: name.startswith("recal_")))
   return model, params, adapted, full
+
+
+@pytest.mark.parametrize("config", [pcsr.PCSRConfig(), pcsr.PCSRConfig(shared_across_layers=True)],
+                         ids=["per-layer", "shared"])
+def test_init_of_the_recalibrators_alone_gives_the_whole_inits_values(config):
+  """`init_params(only=...)` (PCSR's `prepare`, without compiling the backbone's init): the same bits."""
+  model, params = tiny_model()
+  adapted = model.clone(recalibration=config)
+  key = jax.random.key(7)
+  whole = init_params(adapted, key)
+  alone = init_params(adapted, key, only=lambda name: name.startswith("recal_"))
+  assert sorted(alone) == sorted(k for k in whole if k.startswith("recal_")) and alone
+  for a, b in zip(jax.tree.leaves(alone), jax.tree.leaves({k: whole[k] for k in alone}), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  prep = methods.get("pcsr", config=config).prepare(model, params, key, 4)  # the backbone: the checkpoint's
+  assert sorted(prep.params) == sorted(whole)
+  for a, b in zip(jax.tree.leaves(prep.params), jax.tree.leaves({**params, **alone}), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("config", VARIANTS, ids=lambda c: str(c)[11:60])

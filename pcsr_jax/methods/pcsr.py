@@ -141,9 +141,8 @@ class PCSR(Method):
 
   def prepare(self, model, params, rng, batch_size):
     adapted = model.clone(recalibration=self.config)
-    fresh = init_params(adapted, rng)
     full = dict(params)
-    full.update({k: v for k, v in fresh.items() if is_recalibrator_param((k,))})
+    full.update(init_params(adapted, rng, only=lambda name: is_recalibrator_param((name,))))
     lrs = dict(norm=self.lr_norm if self.lr_norm is not None else sar_code_lr(batch_size), fgn=self.lr_fgn,
                dsn=self.lr_dsn)
     if self.recipe == "frozen":

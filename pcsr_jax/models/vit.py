@@ -39,7 +39,7 @@ exactly what timm's does.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import flax.linen as nn
 import jax
@@ -319,8 +319,19 @@ def _warn_once(msg: str) -> None:
     warnings.warn(msg, stacklevel=3)
 
 
-def init_params(model: VisionTransformer, rng: Array, batch_size: int = 1) -> dict:
-  """Randomly initialized params (for tests and training from scratch)."""
+def init_params(model: VisionTransformer, rng: Array, batch_size: int = 1,
+                only: Optional[Callable[[str], bool]] = None) -> dict:
+  """Randomly initialized params (for tests and training from scratch).
+
+  ``only`` keeps the top-level params whose name it accepts, with the values the whole init gives them (each
+  param's key comes from its path, not from what else is initialised); the rest is never compiled: PCSR's
+  fresh recalibrators on a 24-block model compile in a fifth of the whole init's time.
+  """
   c = model.config
   x = jnp.zeros((batch_size, c.img_size, c.img_size, c.in_chans), jnp.float32)
-  return jax.jit(model.init)(rng, x)["params"]
+
+  def init(key):
+    params = model.init(key, x)["params"]
+    return params if only is None else {k: v for k, v in params.items() if only(k)}
+
+  return jax.jit(init)(rng)
