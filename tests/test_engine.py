@@ -220,7 +220,8 @@ for name in ["sar", "pcsr", "roid", "memo", "tent"]:  # SAR's two passes and mas
   out[name] = dict(logit_diff=float(np.abs(l1 - l4).max()),
                    param_diff=max(float(np.abs(a - b).max()) for a, b in zip(p1, p4)),
                    pred_equal=bool((l1.argmax(-1) == l4.argmax(-1)).all()), padded=[b1, b4], devices=[d1, d4])
-memo, img = methods.get("memo", **ARGS["memo"]), batches(1, 1)[0][0]  # MEMO's views drawn per device (`shard_map`) or on one
+# MEMO's views drawn per device (`shard_map`) or on one
+memo, img = methods.get("memo", **ARGS["memo"]), batches(1, 1)[0][0]
 v1 = jax.jit(lambda k, x: memo.draw_views(k, x))(jax.random.key(3), img)
 v4 = jax.jit(lambda k, x: memo.draw_views(k, x, engine.data_mesh()))(jax.random.key(3), img)
 out["memo_views"] = dict(equal=bool(np.array_equal(np.asarray(v1), np.asarray(v4))),

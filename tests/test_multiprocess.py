@@ -41,8 +41,8 @@ def free_port() -> int:
 def launch(args: list, out, processes: int, log_dir) -> list[tuple[subprocess.Popen, str]]:
   """Starts the CLI as ``processes`` processes (2 devices each when several, else 4 devices), logs in files."""
   devices = 4 if processes == 1 else 2
-  env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
-             PYTHONPATH=ROOT)
+  xla_flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+  env = dict(os.environ, XLA_FLAGS=xla_flags, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   port = free_port()
   procs = []
   for k in range(processes):

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from pcsr_jax.errors import UserError
 from pcsr_jax.models.ops import gelu
-from pcsr_jax.models.vit import VisionTransformer
+from pcsr_jax.models.vit import VisionTransformer, init_params
 
 Array = jax.Array
 
@@ -156,15 +156,9 @@ def is_extra(path: tuple[str, ...]) -> bool:
 
 def init_extra(model: PromptedViT, rng: Array) -> dict[str, Any]:
   """Freshly initialised prompts and DINO heads (the backbone's params are the checkpoint's)."""
-  c = model.config
-  x = jnp.zeros((1, c.img_size, c.img_size, c.in_chans), jnp.float32)
 
-  def init(key):
-    def everything(m, images):
-      feature, _, outs = m(images, outputs=True)
-      return m.dino_outputs(feature, outs)
+  def everything(m, images):  # the forward pass and the DINO heads: every param is reached
+    feature, _, outs = m(images, outputs=True)
+    return m.dino_outputs(feature, outs)
 
-    params = model.init(key, x, method=everything)["params"]
-    return {k: v for k, v in params.items() if is_extra((k,))}
-
-  return jax.jit(init)(rng)
+  return init_params(model, rng, only=lambda name: is_extra((name,)), method=everything)

@@ -319,19 +319,21 @@ def _warn_once(msg: str) -> None:
     warnings.warn(msg, stacklevel=3)
 
 
-def init_params(model: VisionTransformer, rng: Array, batch_size: int = 1,
-                only: Optional[Callable[[str], bool]] = None) -> dict:
+def init_params(model: nn.Module, rng: Array, batch_size: int = 1,
+                only: Optional[Callable[[str], bool]] = None, method: Optional[Callable] = None) -> dict:
   """Randomly initialized params (for tests and training from scratch).
 
   ``only`` keeps the top-level params whose name it accepts, with the values the whole init gives them (each
   param's key comes from its path, not from what else is initialised); the rest is never compiled: PCSR's
-  fresh recalibrators on a 24-block model compile in a fifth of the whole init's time.
+  fresh recalibrators on a 24-block model compile in a fifth of the whole init's time. ``method`` is the
+  function the init traces (the module's ``__call__`` when None): a model whose extra heads ``__call__`` does
+  not reach names one that does (`prompted.init_extra`). ``model.config`` gives the input's shape.
   """
   c = model.config
   x = jnp.zeros((batch_size, c.img_size, c.img_size, c.in_chans), jnp.float32)
 
   def init(key):
-    params = model.init(key, x)["params"]
+    params = model.init(key, x, method=method)["params"]
     return params if only is None else {k: v for k, v in params.items() if only(k)}
 
   return jax.jit(init)(rng)
