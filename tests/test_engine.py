@@ -224,7 +224,7 @@ for name in ["sar", "pcsr", "roid", "memo", "tent"]:  # SAR's two passes and mas
 memo, img = methods.get("memo", **ARGS["memo"]), batches(1, 1)[0][0]
 v1 = jax.jit(lambda k, x: memo.draw_views(k, x))(jax.random.key(3), img)
 v4 = jax.jit(lambda k, x: memo.draw_views(k, x, engine.data_mesh()))(jax.random.key(3), img)
-out["memo_views"] = dict(equal=bool(np.array_equal(np.asarray(v1), np.asarray(v4))),
+out["memo_views"] = dict(max_diff=float(np.abs(np.asarray(v1) - np.asarray(v4)).max()),
                          devices=len(v4.sharding.device_set))
 print(json.dumps(out))
 """
@@ -238,7 +238,11 @@ def test_four_cpu_devices_equal_one_device():
                      capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stderr[-3000:]
   out = json.loads(r.stdout.strip().splitlines()[-1])
-  assert out.pop("memo_views") == dict(equal=True, devices=4)
+  # The same keys and ops on either side; XLA may vectorise a device's share of the views differently and round a
+  # pixel's last bit differently (1.8e-7 seen at 2 views per device, at -O1 and -O2). A view drawn from another
+  # key, or out of order, is off by far more than the tolerance.
+  views = out.pop("memo_views")
+  assert views["devices"] == 4 and views["max_diff"] < 1e-5, views
   for name, o in out.items():
     assert o["padded"] == [6, 8] and o["devices"] == [1, 4], (name, o)
     assert o["pred_equal"], (name, o)
