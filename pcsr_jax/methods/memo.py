@@ -86,10 +86,9 @@ class MEMO(Method):
     On a mesh of several devices each device draws its own share of the views (``shard_map``; the same
     views as one device draws, from the same keys, up to float32 rounding: XLA may vectorise a device's
     share differently, 1.8e-7 seen at 2 views per device; ``tests/test_engine.py``), and they stay there for
-    the model. Left to the
-    partitioner, AugMix's loop of ``lax.switch`` ops compiled with collectives that two CPU devices entered
-    in different orders (one waiting in an all-reduce, the other in an all-gather): a deadlock, seen with
-    ``--row-chunk 16``.
+    the model. Left to the partitioner, AugMix's loop of ``lax.switch`` ops compiled with collectives that two
+    CPU devices entered in different orders (one waiting in an all-reduce, the other in an all-gather): a
+    deadlock, seen with ``--row-chunk 16``.
     """
     x01 = augment.denormalize(image, self.mean, self.std)
     draw = lambda keys, img: augment.normalize(augment.augmix_views_of_keys(keys, img), self.mean, self.std)
