@@ -226,6 +226,24 @@ v1 = jax.jit(lambda k, x: memo.draw_views(k, x))(jax.random.key(3), img)
 v4 = jax.jit(lambda k, x: memo.draw_views(k, x, engine.data_mesh()))(jax.random.key(3), img)
 out["memo_views"] = dict(max_diff=float(np.abs(np.asarray(v1) - np.asarray(v4)).max()),
                          devices=len(v4.sharding.device_set))
+# DDA's projection with each device running its own groups (`shard_map`) or on one device: 8 images, groups of 2
+import dataclasses, jax.numpy as jnp
+from pcsr_jax.methods import dda
+from tiny import StandInUNet, StandInUNetConfig
+unet = StandInUNet(StandInUNetConfig(image_size=16))
+up = unet.init(jax.random.key(0), jnp.zeros((1, 16, 16, 3)), jnp.zeros((1,), jnp.int32))["params"]
+meta = {"kind": "unet", "diffusion": {"diffusion_steps": 1000, "noise_schedule": "linear", "learn_sigma": True}}
+method = dda.DDA(N=3, group=2, respacing="10")
+y = jax.random.uniform(jax.random.key(1), (8, 16, 16, 3), minval=-1, maxval=1)
+rows = np.arange(8) < 7  # one padding row, out of its group's norm
+proj = {}
+for mesh in (None, engine.data_mesh()):
+  prep = dataclasses.replace(method.prepare_with(tiny_model()[0], None, unet, up, meta), mesh=mesh)
+  fn = jax.jit(lambda p, yy, rr, k: method.project(prep, p, yy, rr, k))
+  proj[mesh is None] = fn(up, y, rows, jax.random.key(2))
+out["dda_projection"] = dict(max_diff=float(np.abs(np.asarray(proj[True]) - np.asarray(proj[False])).max()),
+                             moved=float(np.abs(np.asarray(proj[True]) - np.asarray(y)).max()),
+                             devices=len(proj[False].sharding.device_set))
 print(json.dumps(out))
 """
 
@@ -243,6 +261,10 @@ def test_four_cpu_devices_equal_one_device():
   # key, or out of order, is off by far more than the tolerance.
   views = out.pop("memo_views")
   assert views["devices"] == 4 and views["max_diff"] < 1e-5, views
+  # DDA's groups, one per device: the same keys, groups and ops as one device running them in turn (a group given
+  # another's key or images would be off by the noise, about 1).
+  proj = out.pop("dda_projection")
+  assert proj["devices"] == 4 and proj["moved"] > 0.1 and proj["max_diff"] < 1e-5, proj
   for name, o in out.items():
     assert o["padded"] == [6, 8] and o["devices"] == [1, 4], (name, o)
     assert o["pred_equal"], (name, o)

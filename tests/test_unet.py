@@ -316,3 +316,41 @@ def test_a_diffusion_checkpoint_given_as_the_classifier_is_one_line(tmp_path):
                                                                                noise_schedule="linear")))
   with pytest.raises(UserError, match=re.escape(f"{d}: a unet checkpoint, expected a vit one")):
     imagenet_c.main(["--checkpoint", d, "--methods", "source", "--images", "8", "--output", str(tmp_path / "r")])
+
+
+@pytest.mark.parametrize("kernel,stride", [(3, 1), (3, 2), (1, 1)])
+def test_conv_as_matmuls_equals_xlas_convolution(kernel, stride):
+  """`Conv`'s 'dots' (im2col matmuls, the CPU default) and 'xla' (XLA's convolution): the same params, and the
+  same output and input gradient up to float32 summation order (1e-5 of the largest value; a window shifted by
+  one pixel, or the kernel's taps read in another order, is off by about 1). A 3x3 stride-2 conv is the
+  downsampling block's; 1x1 the skip's."""
+  from pcsr_jax.models.unet import Conv
+
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((2, 8, 8, 5)), jnp.float32)
+  params = Conv(7, kernel, stride, impl="xla").init(jax.random.key(0), x)["params"]
+  params = {"kernel": params["kernel"], "bias": jnp.asarray(rng.standard_normal(7), jnp.float32)}
+  results = {}
+  for impl in ("xla", "dots"):
+    assert jax.tree.map(jnp.shape, Conv(7, kernel, stride, impl=impl).init(jax.random.key(0), x)["params"]) == \
+        jax.tree.map(jnp.shape, params)
+    out, vjp = jax.vjp(lambda x: Conv(7, kernel, stride, impl=impl).apply({"params": params}, x), x)
+    results[impl] = (out, vjp(jnp.ones_like(out) * jnp.arange(7.0))[0])
+  (out_x, g_x), (out_d, g_d) = results["xla"], results["dots"]
+  assert out_d.shape == out_x.shape == (2, 8 // stride, 8 // stride, 7)
+  assert rel_err(out_d, out_x) < 1e-5 and rel_err(g_d, g_x) < 1e-5, (rel_err(out_d, out_x), rel_err(g_d, g_x))
+
+
+def test_dda_takes_the_matmul_convolutions_on_a_cpu_and_a_bad_name_is_one_line():
+  """DDA's UNet runs its convolutions as matmuls on a CPU backend (the tests run on one), the checkpoint's module
+  otherwise unchanged; an unknown ``conv`` is a one-line error naming the field."""
+  from pcsr_jax.methods import dda
+  from tiny import tiny_model
+
+  cfg = CONFIGS["updown-scaleshift"]
+  meta = {"kind": "unet", "diffusion": {"diffusion_steps": 1000}}
+  prep = dda.DDA().prepare_with(tiny_model()[0], None, UNet(cfg), param_shapes(cfg), meta)
+  assert UNet(cfg).conv == "xla" and prep.unet.conv == "dots" and prep.unet.config == cfg
+  x, t, _, _ = inputs(cfg)
+  with pytest.raises(UserError, match="^conv: expected one of xla, dots, got 'cudnn'"):
+    jax.eval_shape(lambda p: UNet(cfg, conv="cudnn").apply({"params": p}, x, t), param_shapes(cfg))

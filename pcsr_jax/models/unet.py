@@ -39,6 +39,12 @@ of float16: the convolutions and attention matmuls of the input, middle and outp
 time embedding and its MLP, the ResBlocks' embedding Linear and the final ``out`` layers are float32, as
 ``fp16_util.convert_module_to_f16`` converts only the torso's convolutions.
 
+Convolutions (``conv``, a module field; params and values the same either way up to float32 summation order):
+'xla' (the default) is XLA's convolution; 'dots' builds each 3x3 conv as one matmul over the 9 shifted copies of
+the padded input (im2col), the 1x1 ones as a matmul. DDA takes 'dots' on a CPU backend (`DDA.prepare_with`):
+there XLA's convolutions inside the sampler's ``fori_loop`` ran at less than half the speed of the same step
+called from Python, and the matmuls do not slow down in the loop (`python -m benchmarks.dda_projection`).
+
 Departures: ``conv_resample`` is always on and ``dims`` is always 2 (as ``script_util.create_model`` builds
 every published model); dropout applies only when called with ``train=True`` (the official's ``model.eval()``
 is ``train=False``, the default).
@@ -62,6 +68,7 @@ GROUPS = 32  # nn.py's normalization(): GroupNorm32(32, channels)
 GN_EPS = 1e-5  # torch.nn.GroupNorm's default
 NUM_CLASSES = 1000  # script_util.NUM_CLASSES: the class-conditional models' label embedding
 DTYPES = ("float32", "bfloat16")
+CONV_IMPLS = ("xla", "dots")  # `Conv`'s implementations (the module docstring)
 
 # script_util.create_model's channel multipliers when channel_mult is "".
 DEFAULT_CHANNEL_MULT = {512: (0.5, 1, 1, 2, 2, 4, 4), 256: (1, 1, 2, 2, 4, 4), 128: (1, 1, 2, 3, 4),
@@ -261,10 +268,41 @@ class GroupNorm32(nn.Module):
     return (y * scale + bias).astype(x.dtype)
 
 
-def _conv(features: int, dtype: Any, name: str, kernel: int = 3, stride: int = 1) -> nn.Conv:
-  pad = kernel // 2
-  return nn.Conv(features, (kernel, kernel), strides=(stride, stride), padding=((pad, pad), (pad, pad)),
-                 dtype=dtype, param_dtype=jnp.float32, name=name)
+class Conv(nn.Module):
+  """A square ``kernel`` x ``kernel`` convolution, stride ``stride``, zero padding ``kernel // 2`` (torch's
+  ``conv_nd(2, ..., padding=1)`` for 3x3, none for 1x1), NHWC: ``nn.Conv``'s params (``kernel`` ``[k, k, in,
+  out]``, lecun-normal init; ``bias`` zeros) computed by ``impl`` (`CONV_IMPLS`; see the module docstring).
+  Inputs and weights are cast to ``dtype``, as ``nn.Conv(dtype=...)`` does."""
+
+  features: int
+  kernel: int = 3
+  stride: int = 1
+  dtype: Any = jnp.float32
+  impl: str = "xla"
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    k, s, pad = self.kernel, self.stride, self.kernel // 2
+    w = self.param("kernel", nn.initializers.lecun_normal(), (k, k, x.shape[-1], self.features), jnp.float32)
+    b = self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32)
+    x, w, b = x.astype(self.dtype), w.astype(self.dtype), b.astype(self.dtype)
+    if self.impl not in CONV_IMPLS:
+      raise UserError(f"conv: expected one of {', '.join(CONV_IMPLS)}, got {self.impl!r}")
+    if self.impl == "xla":
+      y = jax.lax.conv_general_dilated(x, w, (s, s), ((pad, pad), (pad, pad)),
+                                       dimension_numbers=("NHWC", "HWIO", "NHWC"))
+      return y + b
+    n, h, wd, c = x.shape
+    ho, wo = (h + 2 * pad - k) // s + 1, (wd + 2 * pad - k) // s + 1
+    xp = jnp.pad(x, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
+    # im2col: the k*k shifted (strided) windows side by side on the channel axis, in the kernel's (dy, dx, c) order.
+    cols = [xp[:, dy:dy + (ho - 1) * s + 1:s, dx:dx + (wo - 1) * s + 1:s, :] for dy in range(k) for dx in range(k)]
+    patches = cols[0] if len(cols) == 1 else jnp.concatenate(cols, axis=-1)
+    return patches @ w.reshape(k * k * c, self.features) + b
+
+
+def _conv(features: int, dtype: Any, name: str, conv: str, kernel: int = 3, stride: int = 1) -> Conv:
+  return Conv(features, kernel, stride, dtype, conv, name=name)
 
 
 def upsample_nearest(x: Array) -> Array:
@@ -287,13 +325,14 @@ class ResBlock(nn.Module):
   dropout: float = 0.0
   deterministic: bool = True
   dtype: Any = jnp.float32
+  conv: str = "xla"  # `Conv`'s impl
 
   @nn.compact
   def __call__(self, x: Array, emb: Array) -> Array:
     resample = {"": lambda a: a, "up": upsample_nearest, "down": avg_pool2}[self.updown]
     h = nn.silu(GroupNorm32(name="in_layers_0")(x))
     h, x = resample(h), resample(x)
-    h = _conv(self.out_channels, self.dtype, "in_layers_2")(h)
+    h = _conv(self.out_channels, self.dtype, "in_layers_2", self.conv)(h)
     # The embedding Linear stays float32 (fp16_util converts convolutions only); its output takes h's dtype.
     width = 2 * self.out_channels if self.use_scale_shift_norm else self.out_channels
     e = nn.Dense(width, dtype=jnp.float32, param_dtype=jnp.float32, name="emb_layers_1")(nn.silu(emb))
@@ -304,9 +343,9 @@ class ResBlock(nn.Module):
     else:
       h = GroupNorm32(name="out_layers_0")(h + e)
     h = nn.Dropout(self.dropout, deterministic=self.deterministic)(nn.silu(h))
-    h = _conv(self.out_channels, self.dtype, "out_layers_3")(h)
+    h = _conv(self.out_channels, self.dtype, "out_layers_3", self.conv)(h)
     if x.shape[-1] != self.out_channels:
-      x = _conv(self.out_channels, self.dtype, "skip_connection", kernel=1)(x)
+      x = _conv(self.out_channels, self.dtype, "skip_connection", self.conv, kernel=1)(x)
     return x + h
 
 
@@ -348,10 +387,11 @@ class Downsample(nn.Module):
 
   out_channels: int
   dtype: Any = jnp.float32
+  conv: str = "xla"
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
-    return _conv(self.out_channels, self.dtype, "op", stride=2)(x)
+    return _conv(self.out_channels, self.dtype, "op", self.conv, stride=2)(x)
 
 
 class Upsample(nn.Module):
@@ -359,10 +399,11 @@ class Upsample(nn.Module):
 
   out_channels: int
   dtype: Any = jnp.float32
+  conv: str = "xla"
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
-    return _conv(self.out_channels, self.dtype, "conv")(upsample_nearest(x))
+    return _conv(self.out_channels, self.dtype, "conv", self.conv)(upsample_nearest(x))
 
 
 class UNet(nn.Module):
@@ -375,6 +416,7 @@ class UNet(nn.Module):
   """
 
   config: UNetConfig
+  conv: str = "xla"  # `Conv`'s impl: 'xla' or 'dots' (the module docstring)
 
   @nn.compact
   def __call__(self, x: Array, t: Array, y: Optional[Array] = None, train: bool = False) -> Array:
@@ -395,16 +437,16 @@ class UNet(nn.Module):
       for j, layer in enumerate(block.layers):
         lname = f"{name}_{j}"
         if layer.kind == "conv":
-          h = _conv(layer.out, dt, lname)(h)
+          h = _conv(layer.out, dt, lname, self.conv)(h)
         elif layer.kind == "res":
-          h = res_cls(layer.out, cfg.use_scale_shift_norm, layer.updown, cfg.dropout, not train, dt,
+          h = res_cls(layer.out, cfg.use_scale_shift_norm, layer.updown, cfg.dropout, not train, dt, self.conv,
                       name=lname)(h, emb)
         elif layer.kind == "attn":
           h = attn_cls(layer.heads, cfg.use_new_attention_order, dt, name=lname)(h)
         elif layer.kind == "down":
-          h = Downsample(layer.out, dt, name=lname)(h)
+          h = Downsample(layer.out, dt, self.conv, name=lname)(h)
         else:
-          h = Upsample(layer.out, dt, name=lname)(h)
+          h = Upsample(layer.out, dt, self.conv, name=lname)(h)
       return h
 
     p = plan(cfg)
@@ -416,7 +458,7 @@ class UNet(nn.Module):
     for i, block in enumerate(p.output_blocks):
       h = run(block, jnp.concatenate([h, hs.pop()], axis=-1), f"output_blocks_{i}")
     h = nn.silu(GroupNorm32(name="out_0")(h.astype(jnp.float32)))
-    return _conv(cfg.out_channels, jnp.float32, "out_2")(h)
+    return _conv(cfg.out_channels, jnp.float32, "out_2", self.conv)(h)
 
 
 def example_inputs(cfg: UNetConfig, batch: int = 1) -> tuple[Any, ...]:
