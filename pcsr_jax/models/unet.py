@@ -42,7 +42,7 @@ time embedding and its MLP, the ResBlocks' embedding Linear and the final ``out`
 Convolutions (``conv``, a module field; params and values the same either way up to float32 summation order):
 'xla' (the default) is XLA's convolution; 'dots' builds each 3x3 conv as one matmul over the 9 shifted copies of
 the padded input (im2col), the 1x1 ones as a matmul. DDA takes 'dots' on a CPU backend (`DDA.prepare_with`):
-there XLA's convolutions inside the sampler's ``fori_loop`` ran at less than half the speed of the same step
+there XLA's convolutions inside the sampler's ``fori_loop`` ran at about a third of the speed of the same step
 called from Python, and the matmuls do not slow down in the loop (`python -m benchmarks.dda_projection`).
 
 Departures: ``conv_resample`` is always on and ``dims`` is always 2 (as ``script_util.create_model`` builds
