@@ -1,4 +1,4 @@
-"""Where DDA's projection spends its time on a CPU: the UNet's convolution implementation and the devices.
+"""Where DDA's projection spends its time on a CPU: the UNet's convolution and GroupNorm forms and the devices.
 
     python -m benchmarks.dda_projection --cpu-devices 2
 
@@ -9,6 +9,9 @@ images per guided step (one UNet forward and its input gradient), in one process
 * ``conv``: `pcsr_jax.models.unet.Conv`'s 'xla' (XLA's convolution) against 'dots' (im2col matmuls), on one
   device, where the steps run inside the sampler's ``fori_loop``; and, for scale, one guided step jitted alone
   and called from Python (``--steps`` times) with each;
+* ``norm``: with 'dots', `pcsr_jax.models.unet.GroupNorm32`'s 'xla' (the grouped reshape, autodiff) against
+  'sums' (per-channel sums, closed-form backward; what `DDA.prepare_with` picks on a CPU with 'dots'), on one
+  device and on ``--cpu-devices`` devices each running its own groups;
 * ``devices``: the groups on ``--cpu-devices`` devices, as the engine hands them to the method (the batch's
   rows sharded over the mesh), with each device running its own groups (`DDA.project` given the mesh: its
   ``shard_map``) against leaving the loop over groups to XLA's partitioner (the method not told the mesh).
@@ -62,10 +65,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   rows, key = jnp.ones((b,), bool), jax.random.key(0)
   one_dev, mesh = engine.data_mesh(jax.devices()[:1]), engine.data_mesh()
 
-  def project(conv: str, mesh_given, devices):
+  def project(conv: str, mesh_given, devices, norm: str = "xla"):
     # prepare_with picks 'dots' on a CPU: put the setting's UNet back in its place.
     prep = method.prepare_with(classifier, None, unet.UNet(cfg), params, META)
-    prep = dataclasses.replace(prep, unet=unet.UNet(cfg, conv=conv), mesh=mesh_given)
+    prep = dataclasses.replace(prep, unet=unet.UNet(cfg, conv=conv, norm=norm), mesh=mesh_given)
     sharding = jax.sharding.NamedSharding(devices, jax.sharding.PartitionSpec("data"))
     yy, rr = jax.device_put(y, sharding), jax.device_put(rows, sharding)
     fn = jax.jit(lambda p, yy, rr, k: method.project(prep, p, yy, rr, k))
@@ -90,12 +93,14 @@ def main(argv: Sequence[str] | None = None) -> int:
   settings: dict[str, tuple[Callable[[], None], int]] = {
       "conv xla, 1 device, steps in the loop": project("xla", None, one_dev),
       "conv dots, 1 device, steps in the loop": project("dots", None, one_dev),
+      "conv dots, norm sums, 1 device, steps in the loop": project("dots", None, one_dev, "sums"),
       "conv xla, 1 device, steps from Python": step_from_python("xla"),
       "conv dots, 1 device, steps from Python": step_from_python("dots"),
   }
   if ndev > 1:
     settings[f"conv dots, {ndev} devices, groups left to the partitioner"] = project("dots", None, mesh)
     settings[f"conv dots, {ndev} devices, each device its own groups"] = project("dots", mesh, mesh)
+    settings[f"conv dots, norm sums, {ndev} devices, each device its own groups"] = project("dots", mesh, mesh, "sums")
   times: dict[str, list[float]] = {k: [] for k in settings}
   for run, _ in settings.values():
     run()  # compile and warm up

@@ -244,6 +244,18 @@ for mesh in (None, engine.data_mesh()):
 out["dda_projection"] = dict(max_diff=float(np.abs(np.asarray(proj[True]) - np.asarray(proj[False])).max()),
                              moved=float(np.abs(np.asarray(proj[True]) - np.asarray(y)).max()),
                              devices=len(proj[False].sharding.device_set))
+# GroupNorm's closed-form backward under shard_map: the replicated scale's and bias's gradients summed over devices
+from jax.sharding import PartitionSpec as P
+from pcsr_jax.models import unet as unet_mod
+gx = jax.random.normal(jax.random.key(3), (8, 4, 4, 64)) * 2 + 1
+gp = (jnp.linspace(0.5, 1.5, 64), jnp.linspace(-1, 1, 64))
+loss = lambda p, x: jnp.sum(jnp.sin(unet_mod.group_norm(x, *p)))
+one_dev = jax.grad(loss, argnums=(0, 1))(gp, gx)
+per_dev = jax.jit(jax.shard_map(lambda p, x: jax.grad(loss, argnums=(0, 1))(p, x), mesh=engine.data_mesh(),
+                                in_specs=(P(), P("data")), out_specs=(P(), P("data"))))(gp, gx)
+out["group_norm_grads"] = dict(max_diff=max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+                                            for a, b in zip(jax.tree.leaves(one_dev), jax.tree.leaves(per_dev))),
+                               largest=float(np.abs(np.asarray(one_dev[0][0])).max()))
 print(json.dumps(out))
 """
 
@@ -265,6 +277,9 @@ def test_four_cpu_devices_equal_one_device():
   # another's key or images would be off by the noise, about 1).
   proj = out.pop("dda_projection")
   assert proj["devices"] == 4 and proj["moved"] > 0.1 and proj["max_diff"] < 1e-5, proj
+  # Each device's own share of the scale's and bias's gradients would be off by about 3/4 of the whole.
+  gn = out.pop("group_norm_grads")
+  assert gn["largest"] > 1 and gn["max_diff"] < 1e-4 * gn["largest"], gn
   for name, o in out.items():
     assert o["padded"] == [6, 8] and o["devices"] == [1, 4], (name, o)
     assert o["pred_equal"], (name, o)

@@ -341,9 +341,52 @@ def test_conv_as_matmuls_equals_xlas_convolution(kernel, stride):
   assert rel_err(out_d, out_x) < 1e-5 and rel_err(g_d, g_x) < 1e-5, (rel_err(out_d, out_x), rel_err(g_d, g_x))
 
 
+@pytest.mark.parametrize("shape", [(2, 6, 6, 64), (3, 10, 96)])
+def test_group_norm_from_channel_sums_equals_the_grouped_form(shape):
+  """`GroupNorm32`'s 'sums' (per-channel sums, closed-form backward; DDA's on a CPU) and 'xla' (the grouped
+  reshape, autodiff): the same output and gradients of the input, scale and bias up to float32 summation order
+  (1e-5 of the largest value), on NHWC and on the attention block's ``[B, T, C]``; inputs far from zero mean,
+  per-channel scales. Statistics over the wrong channels (two groups' channels swapped, a channel's group
+  normalized by its neighbour's mean) are off by about 1."""
+  from pcsr_jax.models.unet import GroupNorm32
+
+  rng = np.random.default_rng(0)
+  c = shape[-1]
+  x = jnp.asarray(rng.standard_normal(shape) * rng.uniform(0.5, 3, c) + rng.uniform(-2, 2, c), jnp.float32)
+  params = {"scale": jnp.asarray(rng.uniform(0.5, 1.5, c), jnp.float32),
+            "bias": jnp.asarray(rng.standard_normal(c), jnp.float32)}
+  cot = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  results = {}
+  for impl in ("xla", "sums"):
+    out, vjp = jax.vjp(lambda p, x: GroupNorm32(impl).apply({"params": p}, x), params, x)
+    dp, dx = vjp(cot)
+    results[impl] = (out, dx, dp["scale"], dp["bias"])
+  for got, want in zip(results["sums"], results["xla"]):
+    assert got.shape == want.shape and rel_err(got, want) < 1e-5, rel_err(got, want)
+  # Channels (and their params) moved by one: each group then mixes two of the original groups.
+  shuffled = GroupNorm32("sums").apply({"params": jax.tree.map(lambda p: jnp.roll(p, 1), params)},
+                                       jnp.roll(x, 1, axis=-1))
+  assert rel_err(jnp.roll(shuffled, -1, axis=-1), results["xla"][0]) > 1e-2
+
+
+def test_unet_with_group_norm_from_channel_sums_equals_the_default():
+  """The whole UNet (DDA's config kind: scale-shift norms, up/down ResBlocks, attention) with 'dots' and 'sums'
+  (what DDA runs on a CPU) against 'xla' for both: output and input gradient within 1e-5 relative."""
+  cfg = CONFIGS["updown-scaleshift"]
+  x, t, _, cot = inputs(cfg)
+  params = random_params(cfg)
+  results = {}
+  for conv, norm in (("xla", "xla"), ("dots", "sums")):
+    out, vjp = jax.vjp(lambda x: UNet(cfg, conv=conv, norm=norm).apply({"params": params}, x, t), x)
+    results[norm] = (out, vjp(cot)[0])
+  for got, want in zip(results["sums"], results["xla"]):
+    assert rel_err(got, want) < 1e-5, rel_err(got, want)
+
+
 def test_dda_takes_the_matmul_convolutions_on_a_cpu_and_a_bad_name_is_one_line():
-  """DDA's UNet runs its convolutions as matmuls on a CPU backend (the tests run on one), the checkpoint's module
-  otherwise unchanged; an unknown ``conv`` is a one-line error naming the field."""
+  """DDA's UNet runs its convolutions as matmuls and its GroupNorms from channel sums on a CPU backend (the tests
+  run on one), the checkpoint's module otherwise unchanged; an unknown ``conv`` or ``norm`` is a one-line error
+  naming the field."""
   from pcsr_jax.methods import dda
   from tiny import tiny_model
 
@@ -351,6 +394,9 @@ def test_dda_takes_the_matmul_convolutions_on_a_cpu_and_a_bad_name_is_one_line()
   meta = {"kind": "unet", "diffusion": {"diffusion_steps": 1000}}
   prep = dda.DDA().prepare_with(tiny_model()[0], None, UNet(cfg), param_shapes(cfg), meta)
   assert UNet(cfg).conv == "xla" and prep.unet.conv == "dots" and prep.unet.config == cfg
+  assert UNet(cfg).norm == "xla" and prep.unet.norm == "sums"
   x, t, _, _ = inputs(cfg)
   with pytest.raises(UserError, match="^conv: expected one of xla, dots, got 'cudnn'"):
     jax.eval_shape(lambda p: UNet(cfg, conv="cudnn").apply({"params": p}, x, t), param_shapes(cfg))
+  with pytest.raises(UserError, match="^norm: expected one of xla, sums, got 'fused'"):
+    jax.eval_shape(lambda p: UNet(cfg, norm="fused").apply({"params": p}, x, t), param_shapes(cfg))

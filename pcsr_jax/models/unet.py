@@ -42,8 +42,17 @@ time embedding and its MLP, the ResBlocks' embedding Linear and the final ``out`
 Convolutions (``conv``, a module field; params and values the same either way up to float32 summation order):
 'xla' (the default) is XLA's convolution; 'dots' builds each 3x3 conv as one matmul over the 9 shifted copies of
 the padded input (im2col), the 1x1 ones as a matmul. DDA takes 'dots' on a CPU backend (`DDA.prepare_with`):
-there XLA's convolutions inside the sampler's ``fori_loop`` ran at about a third of the speed of the same step
+there XLA's convolutions inside the sampler's ``fori_loop`` ran at well under half the speed of the same step
 called from Python, and the matmuls do not slow down in the loop (`python -m benchmarks.dda_projection`).
+
+GroupNorms (``norm``, a module field; params and values the same either way up to float32 summation order):
+'xla' (the default) reshapes to ``[..., 32, C/32]`` and reduces over the positions and the group's channels
+at once, differentiated by XLA; 'sums' (`group_norm`) sums each channel over the positions first (a reduction
+along contiguous channels), then the 32 groups' channel sums, and has the closed-form backward (torch's
+``native_group_norm_backward``). DDA takes 'sums' on a CPU backend, where XLA reduces the grouped form across
+strided channels, forward and backward: with 'sums' the guided step of the benchmarks' UNet runs 126 against
+168 ms per group of 4 images on one device, 94 against 120 on two (`python -m benchmarks.dda_projection`). The defaults stay 'xla' for GPUs and for ``train_ddpm``, whose built-in checkpoint
+(``assets/fmnist_ddpm``) a rerun remakes bit for bit.
 
 Departures: ``conv_resample`` is always on and ``dims`` is always 2 (as ``script_util.create_model`` builds
 every published model); dropout applies only when called with ``train=True`` (the official's ``model.eval()``
@@ -69,6 +78,7 @@ GN_EPS = 1e-5  # torch.nn.GroupNorm's default
 NUM_CLASSES = 1000  # script_util.NUM_CLASSES: the class-conditional models' label embedding
 DTYPES = ("float32", "bfloat16")
 CONV_IMPLS = ("xla", "dots")  # `Conv`'s implementations (the module docstring)
+NORM_IMPLS = ("xla", "sums")  # `GroupNorm32`'s implementations (the module docstring)
 
 # script_util.create_model's channel multipliers when channel_mult is "".
 DEFAULT_CHANNEL_MULT = {512: (0.5, 1, 1, 2, 2, 4, 4), 256: (1, 1, 2, 2, 4, 4), 128: (1, 1, 2, 3, 4),
@@ -250,16 +260,91 @@ def timestep_embedding(t: Array, dim: int, max_period: float = 10000.0) -> Array
   return emb
 
 
+def _channel_sums(x: Array) -> Array:
+  """``[N, C]``: the sums of channels-last ``x`` over its positional axes."""
+  return x.sum(tuple(range(1, x.ndim - 1)))
+
+
+def _group_means(sums: Array, count: int) -> Array:
+  """Per-channel sums ``[N, C]`` -> each channel's group mean (its `GROUPS` group's sum over ``count``
+  elements), ``[N, 1, ..., C]`` for broadcasting against the ``ndim``-d input."""
+  n, c = sums.shape
+  m = sums.reshape(n, GROUPS, c // GROUPS).sum(-1, keepdims=True) / count
+  return jnp.broadcast_to(m, (n, GROUPS, c // GROUPS)).reshape(n, c)
+
+
+def _gn_stats(x: Array) -> tuple[Array, Array, int]:
+  n, c = x.shape[0], x.shape[-1]
+  count = math.prod(x.shape[1:-1]) * (c // GROUPS)
+  bc = lambda v: v.reshape((n,) + (1,) * (x.ndim - 2) + (c,))
+  mu = bc(_group_means(_channel_sums(x), count))
+  var = _group_means(_channel_sums(jnp.square(x - mu)), count)  # two passes, as the 'xla' form
+  return mu, bc(jax.lax.rsqrt(var + GN_EPS)), count
+
+
+@jax.custom_vjp
+def group_norm(x: Array, scale: Array, bias: Array) -> Array:
+  """`GroupNorm32`'s 'sums' form on float32 channels-last ``x``: ``(x - mean) * (rsqrt(var + eps) * scale) +
+  bias``, each group's statistics summed per channel over the positions first (a reduction along contiguous
+  channels), then over the group's channels; the backward is the closed form (torch's
+  ``native_group_norm_backward``)."""
+  return _gn_fwd(x, scale, bias)[0]
+
+
+def _gn_fwd(x, scale, bias):
+  mu, r, _ = _gn_stats(x)
+  return (x - mu) * (r * scale) + bias, (x, mu, r, scale)
+
+
+def _gn_bwd(res, dy):
+  # With xhat = (x - mean) * r and g = dy * scale, per group:
+  #   dx = r * (g - mean(g) - xhat * mean(g * xhat)),  dscale = sum(dy * xhat),  dbias = sum(dy)
+  x, mu, r, scale = res
+  n, c = x.shape[0], x.shape[-1]
+  count = math.prod(x.shape[1:-1]) * (c // GROUPS)
+  bc = lambda v: v.reshape((n,) + (1,) * (x.ndim - 2) + (c,))
+  xhat = (x - mu) * r
+  g = dy * scale
+  dx = r * (g - bc(_group_means(_channel_sums(g), count)) - xhat * bc(_group_means(_channel_sums(g * xhat), count)))
+  rows = tuple(range(x.ndim - 1))
+  return dx, _replicated_grad((dy * xhat).sum(rows), scale), _replicated_grad(dy.sum(rows), scale)
+
+
+def _varying_axes(x: Array) -> frozenset:
+  """The ``shard_map`` mesh axes along which ``x`` varies (none outside ``shard_map``)."""
+  t = jax.typeof(x)
+  m = getattr(t, "manual_axis_type", None)  # JAX 0.10; earlier releases call it ``vma``
+  return frozenset(m.varying) if m is not None else frozenset(getattr(t, "vma", ()))
+
+
+def _replicated_grad(grad: Array, param: Array) -> Array:
+  """Inside ``shard_map``, the gradient of a param replicated over devices is the sum of every device's (what
+  autodiff inserts; a custom VJP must do it itself): ``grad`` summed over the axes it varies along and
+  ``param`` does not. Unused (DDA differentiates the input only), XLA drops it."""
+  axes = tuple(sorted(_varying_axes(grad) - _varying_axes(param)))
+  return jax.lax.psum(grad, axes) if axes else grad
+
+
+group_norm.defvjp(_gn_fwd, _gn_bwd)
+
+
 class GroupNorm32(nn.Module):
   """torch's ``GroupNorm(32, C)`` (eps 1e-5, biased variance over each group's channels and positions), computed
   in float32 and returned in the input's dtype, as ``nn.GroupNorm32`` does. Channels last, any number of
-  positional axes."""
+  positional axes. ``impl`` (`NORM_IMPLS`; the module docstring): 'xla' the grouped reshape and autodiff,
+  'sums' `group_norm`."""
+
+  impl: str = "xla"
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
     c = x.shape[-1]
     scale = self.param("scale", nn.initializers.ones, (c,), jnp.float32)
     bias = self.param("bias", nn.initializers.zeros, (c,), jnp.float32)
+    if self.impl not in NORM_IMPLS:
+      raise UserError(f"norm: expected one of {', '.join(NORM_IMPLS)}, got {self.impl!r}")
+    if self.impl == "sums":
+      return group_norm(x.astype(jnp.float32), scale, bias).astype(x.dtype)
     g = x.astype(jnp.float32).reshape(*x.shape[:-1], GROUPS, c // GROUPS)
     axes = tuple(range(1, g.ndim - 2)) + (g.ndim - 1,)
     mean = g.mean(axes, keepdims=True)
@@ -326,11 +411,12 @@ class ResBlock(nn.Module):
   deterministic: bool = True
   dtype: Any = jnp.float32
   conv: str = "xla"  # `Conv`'s impl
+  norm: str = "xla"  # `GroupNorm32`'s impl
 
   @nn.compact
   def __call__(self, x: Array, emb: Array) -> Array:
     resample = {"": lambda a: a, "up": upsample_nearest, "down": avg_pool2}[self.updown]
-    h = nn.silu(GroupNorm32(name="in_layers_0")(x))
+    h = nn.silu(GroupNorm32(self.norm, name="in_layers_0")(x))
     h, x = resample(h), resample(x)
     h = _conv(self.out_channels, self.dtype, "in_layers_2", self.conv)(h)
     # The embedding Linear stays float32 (fp16_util converts convolutions only); its output takes h's dtype.
@@ -339,9 +425,9 @@ class ResBlock(nn.Module):
     e = e.astype(h.dtype)[:, None, None, :]
     if self.use_scale_shift_norm:
       scale, shift = jnp.split(e, 2, axis=-1)
-      h = GroupNorm32(name="out_layers_0")(h) * (1 + scale) + shift
+      h = GroupNorm32(self.norm, name="out_layers_0")(h) * (1 + scale) + shift
     else:
-      h = GroupNorm32(name="out_layers_0")(h + e)
+      h = GroupNorm32(self.norm, name="out_layers_0")(h + e)
     h = nn.Dropout(self.dropout, deterministic=self.deterministic)(nn.silu(h))
     h = _conv(self.out_channels, self.dtype, "out_layers_3", self.conv)(h)
     if x.shape[-1] != self.out_channels:
@@ -371,13 +457,14 @@ class AttentionBlock(nn.Module):
   heads: int
   use_new_attention_order: bool = False
   dtype: Any = jnp.float32
+  norm: str = "xla"  # `GroupNorm32`'s impl
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
     b, hh, ww, c = x.shape
     flat = x.reshape(b, hh * ww, c)
     dense = lambda n, name: nn.Dense(n, dtype=self.dtype, param_dtype=jnp.float32, name=name)
-    qkv = dense(3 * c, "qkv")(GroupNorm32(name="norm")(flat))
+    qkv = dense(3 * c, "qkv")(GroupNorm32(self.norm, name="norm")(flat))
     h = qkv_attention(qkv, self.heads, legacy=not self.use_new_attention_order)
     return (flat + dense(c, "proj_out")(h)).reshape(x.shape)
 
@@ -417,6 +504,7 @@ class UNet(nn.Module):
 
   config: UNetConfig
   conv: str = "xla"  # `Conv`'s impl: 'xla' or 'dots' (the module docstring)
+  norm: str = "xla"  # `GroupNorm32`'s impl: 'xla' or 'sums' (the module docstring)
 
   @nn.compact
   def __call__(self, x: Array, t: Array, y: Optional[Array] = None, train: bool = False) -> Array:
@@ -440,9 +528,9 @@ class UNet(nn.Module):
           h = _conv(layer.out, dt, lname, self.conv)(h)
         elif layer.kind == "res":
           h = res_cls(layer.out, cfg.use_scale_shift_norm, layer.updown, cfg.dropout, not train, dt, self.conv,
-                      name=lname)(h, emb)
+                      self.norm, name=lname)(h, emb)
         elif layer.kind == "attn":
-          h = attn_cls(layer.heads, cfg.use_new_attention_order, dt, name=lname)(h)
+          h = attn_cls(layer.heads, cfg.use_new_attention_order, dt, self.norm, name=lname)(h)
         elif layer.kind == "down":
           h = Downsample(layer.out, dt, self.conv, name=lname)(h)
         else:
@@ -457,7 +545,7 @@ class UNet(nn.Module):
     h = run(p.middle_block, h, "middle_block")
     for i, block in enumerate(p.output_blocks):
       h = run(block, jnp.concatenate([h, hs.pop()], axis=-1), f"output_blocks_{i}")
-    h = nn.silu(GroupNorm32(name="out_0")(h.astype(jnp.float32)))
+    h = nn.silu(GroupNorm32(self.norm, name="out_0")(h.astype(jnp.float32)))
     return _conv(cfg.out_channels, jnp.float32, "out_2", self.conv)(h)
 
 
