@@ -51,8 +51,9 @@ at once, differentiated by XLA; 'sums' (`group_norm`) sums each channel over the
 along contiguous channels), then the 32 groups' channel sums, and has the closed-form backward (torch's
 ``native_group_norm_backward``). DDA takes 'sums' on a CPU backend, where XLA reduces the grouped form across
 strided channels, forward and backward: with 'sums' the guided step of the benchmarks' UNet runs 126 against
-168 ms per group of 4 images on one device, 94 against 120 on two (`python -m benchmarks.dda_projection`). The defaults stay 'xla' for GPUs and for ``train_ddpm``, whose built-in checkpoint
-(``assets/fmnist_ddpm``) a rerun remakes bit for bit.
+168 ms per group of 4 images on one device, 94 against 120 on two (`python -m benchmarks.dda_projection`).
+The defaults stay 'xla' for GPUs and for ``train_ddpm``, whose built-in checkpoint (``assets/fmnist_ddpm``) a
+rerun remakes bit for bit.
 
 Departures: ``conv_resample`` is always on and ``dims`` is always 2 (as ``script_util.create_model`` builds
 every published model); dropout applies only when called with ``train=True`` (the official's ``model.eval()``
@@ -266,8 +267,8 @@ def _channel_sums(x: Array) -> Array:
 
 
 def _group_means(sums: Array, count: int) -> Array:
-  """Per-channel sums ``[N, C]`` -> each channel's group mean (its `GROUPS` group's sum over ``count``
-  elements), ``[N, 1, ..., C]`` for broadcasting against the ``ndim``-d input."""
+  """Per-channel sums ``[N, C]`` -> ``[N, C]``: each channel's group mean (the sum of its `GROUPS` group's
+  channel sums over ``count`` elements)."""
   n, c = sums.shape
   m = sums.reshape(n, GROUPS, c // GROUPS).sum(-1, keepdims=True) / count
   return jnp.broadcast_to(m, (n, GROUPS, c // GROUPS)).reshape(n, c)
