@@ -201,9 +201,10 @@ assert len(jax.devices()) == 4, jax.devices()
 # MEMO with 8 views, not 64: 2 per device on 4, the same sharded path (`MEMO.draw_views`) at an eighth of the work
 ARGS = {"memo": {"views": 8}}
 out = {}
-for name in ["sar", "pcsr", "roid", "memo", "tent"]:  # SAR's two passes and masks; PCSR's recalibrators and
-  # similarity term; ROID's kept rows gathered into chunks (`kept_row_chunks`) and sharded over the devices;
-  # MEMO's views of the image in flight sharded over the devices; TENT on 4 devices in passes of 4 rows
+for name in ["sar", "pcsr", "roid", "memo", "tent", "t3a"]:  # SAR's two passes and masks; PCSR's recalibrators
+  # and similarity term; ROID's kept rows gathered into chunks (`kept_row_chunks`) and sharded over the devices;
+  # MEMO's views of the image in flight sharded over the devices; TENT on 4 devices in passes of 4 rows; T3A's
+  # support store merged from the whole batch gathered onto every device (`replicate`)
   model, params = tiny_model()
   res = []
   for devs in (jax.devices()[:1], jax.devices()):
@@ -214,7 +215,11 @@ for name in ["sar", "pcsr", "roid", "memo", "tent"]:  # SAR's two passes and mas
     for x in batches(3, 6, last=3):
       state, logits, _ = ad.step(state, x)
       logits_all.append(np.asarray(logits)[: len(x)])
-    res.append((np.concatenate(logits_all), [np.asarray(l) for l in jax.tree.leaves(state.trainable)],
+    adapted = jax.tree.leaves(state.trainable)
+    if name == "t3a":  # no params: its store (the entropies of empty slots are inf)
+      st = state.extra
+      adapted = [st.features, st.prototypes, st.valid.astype(np.float32), np.where(st.valid, st.entropy, 0.0)]
+    res.append((np.concatenate(logits_all), [np.asarray(l) for l in adapted],
                 ad.padded_batch, len(logits.sharding.device_set)))
   (l1, p1, b1, d1), (l4, p4, b4, d4) = res
   out[name] = dict(logit_diff=float(np.abs(l1 - l4).max()),

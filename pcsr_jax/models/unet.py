@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import flax.linen as nn
 import jax
@@ -274,13 +274,21 @@ def _group_means(sums: Array, count: int) -> Array:
   return jnp.broadcast_to(m, (n, GROUPS, c // GROUPS)).reshape(n, c)
 
 
-def _gn_stats(x: Array) -> tuple[Array, Array, int]:
+def _group_mean_of(x: Array) -> Callable[[Array], Array]:
+  """The function ``v -> each channel's group mean of v`` for arrays shaped as channels-last ``x``, shaped
+  ``[N, 1, ..., 1, C]`` to broadcast against ``x`` (shared by the forward and the closed-form backward)."""
   n, c = x.shape[0], x.shape[-1]
   count = math.prod(x.shape[1:-1]) * (c // GROUPS)
-  bc = lambda v: v.reshape((n,) + (1,) * (x.ndim - 2) + (c,))
-  mu = bc(_group_means(_channel_sums(x), count))
-  var = _group_means(_channel_sums(jnp.square(x - mu)), count)  # two passes, as the 'xla' form
-  return mu, bc(jax.lax.rsqrt(var + GN_EPS)), count
+  shape = (n,) + (1,) * (x.ndim - 2) + (c,)
+  return lambda v: _group_means(_channel_sums(v), count).reshape(shape)
+
+
+def _gn_stats(x: Array) -> tuple[Array, Array]:
+  """Each channel's group mean and ``rsqrt(var + eps)``, broadcastable against ``x``."""
+  mean = _group_mean_of(x)
+  mu = mean(x)
+  var = mean(jnp.square(x - mu))  # two passes, as the 'xla' form
+  return mu, jax.lax.rsqrt(var + GN_EPS)
 
 
 @jax.custom_vjp
@@ -293,7 +301,7 @@ def group_norm(x: Array, scale: Array, bias: Array) -> Array:
 
 
 def _gn_fwd(x, scale, bias):
-  mu, r, _ = _gn_stats(x)
+  mu, r = _gn_stats(x)
   return (x - mu) * (r * scale) + bias, (x, mu, r, scale)
 
 
@@ -301,12 +309,10 @@ def _gn_bwd(res, dy):
   # With xhat = (x - mean) * r and g = dy * scale, per group:
   #   dx = r * (g - mean(g) - xhat * mean(g * xhat)),  dscale = sum(dy * xhat),  dbias = sum(dy)
   x, mu, r, scale = res
-  n, c = x.shape[0], x.shape[-1]
-  count = math.prod(x.shape[1:-1]) * (c // GROUPS)
-  bc = lambda v: v.reshape((n,) + (1,) * (x.ndim - 2) + (c,))
+  mean = _group_mean_of(x)
   xhat = (x - mu) * r
   g = dy * scale
-  dx = r * (g - bc(_group_means(_channel_sums(g), count)) - xhat * bc(_group_means(_channel_sums(g * xhat), count)))
+  dx = r * (g - mean(g) - xhat * mean(g * xhat))
   rows = tuple(range(x.ndim - 1))
   return dx, _replicated_grad((dy * xhat).sum(rows), scale), _replicated_grad(dy.sum(rows), scale)
 
