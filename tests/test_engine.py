@@ -204,7 +204,7 @@ out = {}
 for name in ["sar", "pcsr", "roid", "memo", "tent", "t3a"]:  # SAR's two passes and masks; PCSR's recalibrators
   # and similarity term; ROID's kept rows gathered into chunks (`kept_row_chunks`) and sharded over the devices;
   # MEMO's views of the image in flight sharded over the devices; TENT on 4 devices in passes of 4 rows; T3A's
-  # support store merged from the whole batch gathered onto every device (`replicate`)
+  # support store, replicated, merged from the rows of every device
   model, params = tiny_model()
   res = []
   for devs in (jax.devices()[:1], jax.devices()):
@@ -218,7 +218,7 @@ for name in ["sar", "pcsr", "roid", "memo", "tent", "t3a"]:  # SAR's two passes 
     adapted = jax.tree.leaves(state.trainable)
     if name == "t3a":  # no params: its store (the entropies of empty slots are inf)
       st = state.extra
-      adapted = [st.features, st.prototypes, st.valid.astype(np.float32), np.where(st.valid, st.entropy, 0.0)]
+      adapted = [st.features, st.valid.astype(np.float32), np.where(st.valid, st.entropy, 0.0)]
     res.append((np.concatenate(logits_all), [np.asarray(l) for l in adapted],
                 ad.padded_batch, len(logits.sharding.device_set)))
   (l1, p1, b1, d1), (l4, p4, b4, d4) = res

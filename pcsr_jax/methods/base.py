@@ -143,15 +143,6 @@ def shard_rows(prep: Prepared, x: Array) -> Array:
   return jax.lax.with_sharding_constraint(x, batch)
 
 
-def replicate(prep: Prepared, tree: Any) -> Any:
-  """``tree`` gathered onto every device of the engine's mesh (unchanged outside the engine): for a small
-  computation over the whole batch that updates replicated state (T3A's support store), which the partitioner
-  would otherwise split along the batch and recombine at the size of the state."""
-  if prep.mesh is None:
-    return tree
-  return jax.lax.with_sharding_constraint(tree, jax.sharding.NamedSharding(prep.mesh, jax.sharding.PartitionSpec()))
-
-
 def splits_into_passes(batch: int, row_chunk: Optional[int], devices: int) -> bool:
   """Whether `in_row_passes` runs a batch of ``batch`` rows in passes of ``row_chunk``: the chunk must be below
   and divide the batch, and split over the mesh's ``devices``; any other setting runs as one pass."""

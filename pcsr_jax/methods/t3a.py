@@ -18,9 +18,6 @@ live in a fixed-size store, ``[C, K, D]`` with entropies (``+inf`` for empty slo
 each class's valid slots first and sorted by entropy. A batch merges in with one stable sort per class
 over ``(old K slots, batch B)``: exactly the official "concatenate, then keep the K lowest per class",
 since every support the official code would drop from a class is never among its K lowest again.
-Only the classes a batch predicts can change, so only their rows are merged and their prototypes (kept in
-the store) recomputed: a step costs ``O(B K D)``, not ``O(C K D)`` (at ViT-B/16 on ImageNet, the 1000-class
-store is touched in at most B of its rows).
 Ties: equal entropies keep their order in the concatenation, i.e. the older support wins, and within a
 batch the earlier row (a stable sort; ``torch.sort``'s default leaves exact ties unspecified). A class with
 fewer than K supports keeps all of them; a class with none has a zero prototype (logit 0), as
@@ -50,7 +47,7 @@ import optax
 
 from pcsr_jax import losses
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import Method, Prepared, field, in_row_passes, merge, replicate
+from pcsr_jax.methods.base import Method, Prepared, field, in_row_passes, merge
 
 Array = jax.Array
 
@@ -64,63 +61,50 @@ class Supports:
   """T3A's support set: per class, ``K`` slots of features, their entropies and whether they are filled.
 
   The valid slots of a class come first, sorted by entropy (ties in arrival order); empty slots have
-  entropy ``+inf``. The label of a support is its class index. ``prototypes`` holds each class's
-  `class_prototypes` of its slots, kept up to date by `merge_supports`.
+  entropy ``+inf``. The label of a support is its class index.
   """
 
   features: Array  # [C, K, D]
   entropy: Array  # [C, K]
   valid: Array  # [C, K] bool
-  prototypes: Array  # [C, D]
 
   @staticmethod
   def empty(num_classes: int, k: int, dim: int) -> "Supports":
     return Supports(features=jnp.zeros((num_classes, k, dim), jnp.float32),
                     entropy=jnp.full((num_classes, k), jnp.inf, jnp.float32),
-                    valid=jnp.zeros((num_classes, k), bool),
-                    prototypes=jnp.zeros((num_classes, dim), jnp.float32))
-
-
-def class_prototypes(features: Array, valid: Array) -> Array:
-  """``[..., K, D]`` slots -> ``[..., D]``: the normalised sum of a class's normalised valid supports, i.e. its
-  column of ``normalize_cols(normalize_rows(supports)^T @ one_hot_labels)`` (zero for a class without one)."""
-  eps = 1e-12  # F.normalize's
-  s = features / jnp.maximum(jnp.linalg.norm(features, axis=-1, keepdims=True), eps)
-  w = jnp.sum(jnp.where(valid[..., None], s, 0.0), axis=-2)
-  return w / jnp.maximum(jnp.linalg.norm(w, axis=-1, keepdims=True), eps)
+                    valid=jnp.zeros((num_classes, k), bool))
 
 
 def merge_supports(store: Supports, z: Array, labels: Array, ent: Array, valid: Array) -> Supports:
   """The store after adding candidates ``z`` ``[B, D]`` with ``labels`` ``[B]`` and entropies ``ent``
   ``[B]`` (rows where ``valid`` is False are ignored): per class the K lowest-entropy of old + new.
 
-  Only the B classes in ``labels`` can change: their rows are gathered (a class predicted twice twice), each
-  merged by one stable sort of its ``K + B`` candidates by (not valid, entropy), and scattered back with their
-  recomputed prototypes (duplicates write the same values). The old slots come first in the concatenation, so
-  ties keep the older support and batch rows keep their order; a gathered class without a valid candidate
-  (a padded row's label) sorts back to itself.
+  One stable sort per class of the ``K + B`` candidates by (not valid, entropy): the old slots come first
+  in the concatenation, so ties keep the older support, and batch rows keep their order.
   """
-  k = store.features.shape[1]
+  c, k, _ = store.features.shape
   b = z.shape[0]
-  member = valid[None, :] & (labels[None, :] == labels[:, None])  # [B, B]: row j is a candidate of labels[i]
-  cand_valid = jnp.concatenate([store.valid[labels], member], axis=1)  # [B, K + B]
-  cand_ent = jnp.concatenate([store.entropy[labels], jnp.broadcast_to(ent.astype(jnp.float32), (b, b))], axis=1)
+  member = valid[None, :] & (labels[None, :] == jnp.arange(c)[:, None])  # [C, B]: row j is a candidate of c
+  cand_valid = jnp.concatenate([store.valid, member], axis=1)  # [C, K + B]
+  cand_ent = jnp.concatenate([store.entropy, jnp.broadcast_to(ent.astype(jnp.float32), (c, b))], axis=1)
   cand_ent = jnp.where(cand_valid, cand_ent, jnp.inf)
-  pos = jnp.broadcast_to(jnp.arange(k + b), (b, k + b))
+  pos = jnp.broadcast_to(jnp.arange(k + b), (c, k + b))
   empty, ent_sorted, pos_sorted = jax.lax.sort((~cand_valid, cand_ent, pos), dimension=1, is_stable=True,
                                                num_keys=2)
   pos_k, ent_k, valid_k = pos_sorted[:, :k], ent_sorted[:, :k], ~empty[:, :k]
-  old = jnp.take_along_axis(store.features[labels], jnp.minimum(pos_k, k - 1)[..., None], axis=1)
+  old = jnp.take_along_axis(store.features, jnp.minimum(pos_k, k - 1)[..., None], axis=1)
   new = z.astype(jnp.float32)[jnp.clip(pos_k - k, 0, b - 1)]
-  features = jnp.where(valid_k[..., None], jnp.where((pos_k < k)[..., None], old, new), 0.0)
-  return Supports(features=store.features.at[labels].set(features), entropy=store.entropy.at[labels].set(ent_k),
-                  valid=store.valid.at[labels].set(valid_k),
-                  prototypes=store.prototypes.at[labels].set(class_prototypes(features, valid_k)))
+  features = jnp.where((pos_k < k)[..., None], old, new)
+  return Supports(features=jnp.where(valid_k[..., None], features, 0.0), entropy=ent_k, valid=valid_k)
 
 
 def prototype_logits(store: Supports, z: Array) -> Array:
   """``z @ normalize_cols(normalize_rows(supports)^T @ labels)``: the T3A head (no bias, z unnormalised)."""
-  return z.astype(jnp.float32) @ store.prototypes.T
+  eps = 1e-12  # F.normalize's
+  s = store.features / jnp.maximum(jnp.linalg.norm(store.features, axis=-1, keepdims=True), eps)
+  w = jnp.sum(jnp.where(store.valid[..., None], s, 0.0), axis=1)  # [C, D]: the sum of each class's supports
+  w = w / jnp.maximum(jnp.linalg.norm(w, axis=-1, keepdims=True), eps)
+  return z.astype(jnp.float32) @ w.T
 
 
 def head_weights(model, params) -> tuple[Array, Array]:
@@ -168,9 +152,7 @@ class T3A(Method):
     kernel, bias = head_weights(prep.model, params)
     head_logits = z @ kernel + bias
     ent = losses.entropy(head_logits)
-    # The merge touches the B predicted classes' rows of the replicated store: run it on every device over the
-    # whole batch (a few KiB gathered), not split along the batch and recombined at the store's size (slower).
-    store = merge_supports(state.extra, *replicate(prep, (z, jnp.argmax(head_logits, -1), ent, valid)))
+    store = merge_supports(state.extra, z, jnp.argmax(head_logits, -1), ent, valid)
     logits = prototype_logits(store, z)
     metrics = {"entropy": losses.masked_mean(ent, valid), "supports": jnp.sum(store.valid)}
     return state.replace(step=state.step + 1, extra=store), logits, metrics
