@@ -261,26 +261,22 @@ def timestep_embedding(t: Array, dim: int, max_period: float = 10000.0) -> Array
   return emb
 
 
-def _channel_sums(x: Array) -> Array:
-  """``[N, C]``: the sums of channels-last ``x`` over its positional axes."""
-  return x.sum(tuple(range(1, x.ndim - 1)))
-
-
-def _group_means(sums: Array, count: int) -> Array:
-  """Per-channel sums ``[N, C]`` -> ``[N, C]``: each channel's group mean (the sum of its `GROUPS` group's
-  channel sums over ``count`` elements)."""
-  n, c = sums.shape
-  m = sums.reshape(n, GROUPS, c // GROUPS).sum(-1, keepdims=True) / count
-  return jnp.broadcast_to(m, (n, GROUPS, c // GROUPS)).reshape(n, c)
-
-
 def _group_mean_of(x: Array) -> Callable[[Array], Array]:
-  """The function ``v -> each channel's group mean of v`` for arrays shaped as channels-last ``x``, shaped
-  ``[N, 1, ..., 1, C]`` to broadcast against ``x`` (shared by the forward and the closed-form backward)."""
+  """The function ``v -> each channel's group mean of v`` for arrays shaped as channels-last ``x``: ``v`` summed
+  over the positions first (a reduction along contiguous channels), then over each of the `GROUPS` groups'
+  channels, divided by the group's element count and broadcast back, shaped ``[N, 1, ..., 1, C]`` to broadcast
+  against ``x`` (shared by the forward and the closed-form backward)."""
   n, c = x.shape[0], x.shape[-1]
   count = math.prod(x.shape[1:-1]) * (c // GROUPS)
+  positions = tuple(range(1, x.ndim - 1))
   shape = (n,) + (1,) * (x.ndim - 2) + (c,)
-  return lambda v: _group_means(_channel_sums(v), count).reshape(shape)
+
+  def mean(v: Array) -> Array:
+    sums = v.sum(positions).reshape(n, GROUPS, c // GROUPS)
+    m = sums.sum(-1, keepdims=True) / count
+    return jnp.broadcast_to(m, (n, GROUPS, c // GROUPS)).reshape(shape)
+
+  return mean
 
 
 def _gn_stats(x: Array) -> tuple[Array, Array]:
