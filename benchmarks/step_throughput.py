@@ -450,12 +450,14 @@ def chosen_methods(text: str) -> tuple[str, ...]:
 
 def _malloc_note() -> str:
   """The allocator this command runs under (`pcsr_jax.malloc`), if not glibc's defaults: a preloaded library
-  (mimalloc) or glibc's malloc tunables. It moves CPU figures."""
+  (mimalloc, with the ``MIMALLOC_*`` options set) or glibc's malloc tunables. It moves CPU figures."""
   from pcsr_jax import malloc
 
   preloaded = malloc.preloaded_allocators(os.environ)
+  if any("mimalloc" in p for p in preloaded):
+    preloaded += sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("MIMALLOC_"))
   tunables = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t.startswith("glibc.malloc.")]
-  return "".join(f", {x}" for x in (":".join(preloaded), ":".join(tunables)) if x)
+  return "".join(f", {x}" for x in (" ".join(preloaded), ":".join(tunables)) if x)
 
 
 def _worker_cmd(a, argv: Sequence[str], fw: str, method: str) -> list[str]:

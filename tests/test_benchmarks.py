@@ -387,14 +387,16 @@ def test_row_chunk_ab_times_each_setting_in_turn_and_rejects_settings_that_would
 def test_alloc_steps_runs_under_the_commands_allocator_and_prints_each_steps_kernel_share():
   from pcsr_jax import malloc
 
-  env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LD_PRELOAD", malloc.ENV)}
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("GLIBC_TUNABLES", "LD_PRELOAD", malloc.ENV) and not k.startswith("MIMALLOC_")}
   r = subprocess.run([sys.executable, "-m", "benchmarks.alloc_steps", "--arch", "vit_tiny_patch32_224",
                       "--batch-size", "2", "--method", "source,tent", "--steps", "2", "--warmup", "0"],
                      env={**env, "JAX_PLATFORMS": "cpu"}, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stderr[-2000:]
   out = r.stdout.splitlines()
   # The command restarted under the default allocator and says so.
-  assert out[0].endswith("allocator: " + os.path.basename(malloc.mimalloc_library())), out[0]
+  assert out[0].endswith("allocator: " + os.path.basename(malloc.mimalloc_library())
+                         + " MIMALLOC_ARENA_MAX_OBJECT_SIZE=1024GiB"), out[0]
   for m in ("source", "tent"):
     i = next(k for k, line in enumerate(out) if line.startswith(f"{m}: median wall"))
     cols = {line[:11].strip(): line[11:].split() for line in out[i + 1:i + 6]}
