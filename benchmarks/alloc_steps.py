@@ -9,6 +9,11 @@ page faults during it, and the resident memory after it, then the peak. Why: XLA
 temporaries as one block per device; under glibc's defaults every step maps, faults in and zeroes that block
 afresh, and the kernel's share of a step is what an allocator changes. Wall times drift on a shared machine;
 the kernel seconds and the faults are the allocator's own cost. One process, methods one after the other.
+
+Each method's first line gives its step's temporaries per device (XLA's memory analysis of the compiled step),
+the block the allocator serves at every step, and says when it is above mimalloc's 2 GiB default
+``arena_max_object_size`` (blocks above it went to the OS at every step until `pcsr_jax.malloc` raised the
+limit). ``--steps 0`` prints only that line (the step compiled, not run).
 """
 
 from __future__ import annotations
@@ -27,12 +32,15 @@ def parser() -> ArgumentParser:
   p.add_argument("--arch", default="vit_small_patch16_224")
   p.add_argument("--batch-size", type=int, default=16)
   p.add_argument("--method", default="tent", help="a registered method, a comma-separated list, or 'all'")
-  p.add_argument("--steps", type=int, default=5, help="timed steps of each method")
+  p.add_argument("--steps", type=int, default=5, help="timed steps of each method (0: only the step's memory)")
   p.add_argument("--warmup", type=int, default=2, help="untimed steps of each method after its first")
   p.add_argument("--cpu-devices", type=int, help="split the CPU into N JAX devices (default as step_throughput.py's: "
                  "one per core on a CPU-only host)")
   p.add_argument("--row-chunk", type=int, help="run the model in passes of N rows (the harness's --row-chunk)")
   return p
+
+
+ARENA_DEFAULT_GIB = 2  # mimalloc 3.x's arena_max_object_size: larger blocks come from the OS (mmap, munmap)
 
 
 def allocator() -> str:
@@ -46,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   a = parser().parse_args(list(sys.argv[1:] if argv is None else argv))
   from benchmarks import step_throughput as st
 
-  st.check_counts(a, batch_size=1, steps=1, warmup=0, row_chunk=1)
+  st.check_counts(a, batch_size=1, steps=0, warmup=0, row_chunk=1)
   from pcsr_jax import engine
   from pcsr_jax.models import get_config
 
@@ -60,7 +68,13 @@ def main(argv: Sequence[str] | None = None) -> int:
   model, params, x = st.jax_inputs(a.arch, a.batch_size)
   print(f"{a.arch}, batch {a.batch_size}, {len(jax.devices())} JAX device(s), allocator: {allocator()}")
   for m in chosen:
-    step, sync, *_ = st.jax_step(m, model, params, x, row_chunk=a.row_chunk)
+    step, sync, ad, placed, box = st.jax_step(m, model, params, x, row_chunk=a.row_chunk)
+    temps = ad.lower(box["state"], placed).compile().memory_analysis().temp_size_in_bytes
+    print(f"{m}: temporaries {temps / 2**30:.2f} GiB per device"
+          + (f" (above mimalloc's default arena limit, {ARENA_DEFAULT_GIB} GiB)" if temps > ARENA_DEFAULT_GIB * 2**30
+             else ""))
+    if a.steps == 0:
+      continue
     for _ in range(1 + a.warmup):
       step()
       sync()

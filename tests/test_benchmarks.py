@@ -397,12 +397,23 @@ def test_alloc_steps_runs_under_the_commands_allocator_and_prints_each_steps_ker
   # The command restarted under the default allocator and says so.
   assert out[0].endswith("allocator: " + os.path.basename(malloc.mimalloc_library())
                          + " MIMALLOC_ARENA_MAX_OBJECT_SIZE=1024GiB"), out[0]
+  temps = {}
   for m in ("source", "tent"):
+    line = next(line for line in out if line.startswith(f"{m}: temporaries "))
+    temps[m] = float(line.split()[2])
+    assert line == f"{m}: temporaries {line.split()[2]} GiB per device", line  # far below 2 GiB here
     i = next(k for k, line in enumerate(out) if line.startswith(f"{m}: median wall"))
     cols = {line[:11].strip(): line[11:].split() for line in out[i + 1:i + 6]}
     assert set(cols) == {"wall s", "user s", "kernel s", "faults", "RSS MiB"}, out
     assert all(len(v) == 2 for v in cols.values()), out
     assert all(float(w) > 0 for w in cols["wall s"]) and all(float(k) >= 0 for k in cols["kernel s"])
+  assert temps["tent"] > temps["source"], temps  # TENT's forward keeps what its backward needs
+  # --steps 0: the step's memory only, nothing run or timed.
+  r = subprocess.run([sys.executable, "-m", "benchmarks.alloc_steps", "--arch", "vit_tiny_patch32_224",
+                      "--batch-size", "2", "--method", "tent", "--steps", "0"],
+                     env={**env, "JAX_PLATFORMS": "cpu"}, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert r.stdout.splitlines()[1:] == [f"tent: temporaries {temps['tent']:.2f} GiB per device"], r.stdout
 
 
 def test_cpu_table_cells_fit_the_machine_and_parse_as_step_throughput_flags():
