@@ -13,8 +13,8 @@ per TENT step on 2 cores, where PyTorch's step, many blocks of a few MB that gli
   batch 16 (``hugepages`` 0.13, glibc's own 0.65), 0.21 s for TENT at batch 64 (``hugepages`` 1.69), at the
   same peak memory (4.4 GB either way). JAX's EATA and DeYO steps at batch 16 went from 0.85-0.90x PyTorch's
   to 0.98-1.03x. `MIMALLOC_OPTIONS` lets it keep blocks of any size: under its 2 GiB default a ViT-B/16 ETA
-  step at batch 64 (3.4 GiB of temporaries per device) spent 5.7 s of kernel time per 14.8 s step, 0.05-0.12 s
-  with the option.
+  step at batch 64 (3.4 GiB of temporaries per device) spent 6.3 s of kernel time in its 15.8 s, 0.19 s (of
+  12.7 s) with the option (`experiments/results/cpu/alloc_steps.md`).
 * ``hugepages`` (the default where mimalloc is not installed): glibc asks for transparent huge pages on its
   mappings (``hugetlb=1``): 2 MiB faults, the same memory. The kernel still zeroes (and, with THP's usual
   ``defrag=madvise``, compacts memory for) every page of every step: 0.08-0.43 s of kernel time per ETA step
