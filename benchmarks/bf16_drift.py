@@ -89,7 +89,7 @@ def logit_drift(method_name: str, batches, model, params, meta, method_args) -> 
   import jax
 
   from pcsr_jax import engine, methods
-  from pcsr_jax.harness import _with_preprocessing
+  from pcsr_jax.run_setup import with_preprocessing as _with_preprocessing
   from pcsr_jax.methods.base import split
   from pcsr_jax.models.vit import compute_dtype
 

@@ -37,7 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   import jax.numpy as jnp
 
   from pcsr_jax import checkpoint
-  from pcsr_jax.data import ccc, corruptions, fashion_mnist, transforms
+  from pcsr_jax.data import fashion_mnist, transforms
+  from pcsr_jax.data.generators import ccc, corruptions
   from pcsr_jax.experiments import builtin
 
   x, y = fashion_mnist.load("test")

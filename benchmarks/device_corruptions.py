@@ -1,4 +1,4 @@
-"""The device corruptions (``pcsr_jax/data/corrupt_device.py``) against the host path: distance and speed.
+"""The device corruptions (``pcsr_jax/data/generators/corrupt_device.py``) against the host path: distance and speed.
 
     python -m benchmarks.device_corruptions --images 100 --severity 3
     python -m benchmarks.device_corruptions --builtin 2000 --severity 5   # Source's accuracy, host vs device
@@ -60,7 +60,7 @@ def sample_images(n: int, size: int = 224, seed: int = 0) -> np.ndarray:
 
 def pil_jpeg(x: np.ndarray) -> np.ndarray:
   """The release's save (``quality=85, optimize=True``) read back (`generated.jpeg_round_trip`)."""
-  from pcsr_jax.data import generated
+  from pcsr_jax.data.generators import generated
 
   return np.asarray(generated.jpeg_round_trip(x))
 
@@ -68,7 +68,7 @@ def pil_jpeg(x: np.ndarray) -> np.ndarray:
 def host_corrupt(x: np.ndarray, corruption: str, severity: float, index: int) -> np.ndarray:
   """The host path of one uint8 image (`corruptions.corrupt` at ImageNet strength, the release's functions and
   tables; what ``--clean-data`` streams): the corruption and ``np.uint8``, before the JPEG round trip."""
-  from pcsr_jax.data import corruptions
+  from pcsr_jax.data.generators import corruptions
 
   return corruptions.corrupt(x, corruption, severity, 0, index, strength="imagenet")
 
@@ -85,8 +85,9 @@ def builtin_accuracy(n: int, severity: int, names: Sequence[str]) -> None:
   import jax
 
   from pcsr_jax import checkpoint
-  from pcsr_jax.data import corrupt_device as cd
-  from pcsr_jax.data import corruptions, fashion_mnist, transforms
+  from pcsr_jax.data.generators import corrupt_device as cd
+  from pcsr_jax.data import fashion_mnist, transforms
+  from pcsr_jax.data.generators import corruptions
   from pcsr_jax.experiments import builtin
 
   model, params, meta = checkpoint.load(builtin.CHECKPOINT, kind="vit")
@@ -120,8 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{a.severity}")
   import jax
 
-  from pcsr_jax.data import corrupt_device as cd
-  from pcsr_jax.data import corruptions
+  from pcsr_jax.data.generators import corrupt_device as cd
+  from pcsr_jax.data.generators import corruptions
 
   names = [n for n in a.corruptions.split(",") if n] or list(cd.DEVICE_CORRUPTIONS)
   for n in names:

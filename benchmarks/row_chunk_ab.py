@@ -56,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   st.check_counts(a, batch_size=1, steps=1, warmup=0)
   from pcsr_jax import engine, methods
-  from pcsr_jax.methods.base import splits_into_passes
+  from pcsr_jax.methods.rows import splits_into_passes
   from pcsr_jax.models import get_config
 
   get_config(a.arch)
@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   cpu_devices = a.cpu_devices if a.cpu_devices is not None else st.default_cpu_devices(a.batch_size)
   engine.use_cpu_devices(cpu_devices)  # first: it checks the count
   devices = cpu_devices or 1
-  for c in chunks:  # `methods.base.in_row_passes` would quietly run any other setting as one pass
+  for c in chunks:  # `methods.rows.in_row_passes` would quietly run any other setting as one pass
     if c is not None and not splits_into_passes(a.batch_size, c, devices):
       raise UserError(f"--row-chunk: {c} rows per pass must be below and divide --batch-size {a.batch_size}, "
                       f"and split over {devices} device(s)")

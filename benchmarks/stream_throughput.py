@@ -87,14 +87,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   import jax
 
-  from pcsr_jax.data import generated, sources, transforms
+  from pcsr_jax.data import sources, transforms
+  from pcsr_jax.data.generators import generated
   from pcsr_jax.experiments.common import parse_corruptions
 
   names = parse_corruptions(a.corruptions)
   pre = transforms.imagenet_c_preprocess(dict(img_size=224, mean=(0.5,) * 3, std=(0.5,) * 3, crop_pct=1.0))
   device = None
   if not a.no_device:
-    from pcsr_jax.data import corrupt_device as device
+    from pcsr_jax.data.generators import corrupt_device as device
   with tempfile.TemporaryDirectory() as d:
     clean = sources.FolderSource(a.clean_data or make_clean(os.path.join(d, "clean"), a.images))
     if len(clean) > a.images:

@@ -1,4 +1,4 @@
-"""``--setting ccc``: CCC's continuously changing corruptions for a harness run (`pcsr_jax.data.ccc`).
+"""``--setting ccc``: CCC's continuously changing corruptions for a harness run (`pcsr_jax.data.generators.ccc`).
 
 A run's CCC stream is made in three parts:
 
@@ -13,7 +13,12 @@ A run's CCC stream is made in three parts:
    centre crops (`generated.release_crop`), corrupted and JPEG-round-tripped as the stream's are. The curves
    are cached next to the checkpoint (``<checkpoint>.source_stats/ccc-calibration-<key>.json``; the key covers
    the checkpoint's params, the calibration images, the corruptions and the generators' versions), so every
-   walk seed and speed of a checkpoint and target shares one calibration.
+   walk seed and speed of a checkpoint and target shares one calibration. A cached entry is held to the checks
+   a fresh calibration gets (`ccc.curves_problem`, `ccc.clean_problem`): one that fails them, or is unreadable,
+   foreign or not a file, is measured again with a log line saying why; where the entry cannot be written the
+   run goes on from the fresh calibration and says so. An unreadable calibration image is left out and counted
+   as the stream leaves one out (the calibration refuses when fewer than half can be read); the clean labels
+   are checked against the checkpoint's head before any of this.
 3. **The walk** (`ccc.make_plan`): seeded by ``--corruption-seed`` (CCC's walks 43, 44, 45 are
    ``--corruption-seed 43`` and so on), ``--ccc-target`` (0, 20, 40: CCC-Hard, -Medium, -Easy),
    ``--ccc-speed`` images per walk step, ``--ccc-length`` images (CCC: 7.5M; the built-in default: as many as
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from typing import Any, Callable, Optional
 
@@ -33,18 +39,21 @@ import numpy as np
 from PIL import Image
 
 from pcsr_jax import engine, files, source_stats
-from pcsr_jax.data import ccc, corruptions, generated, sources, transforms
+from pcsr_jax.data import datasets, sources, transforms
+from pcsr_jax.data.generators import ccc, corruptions, generated
 from pcsr_jax.errors import UserError
 
-VERSION = 1  # bump when the calibration's procedure changes: cached curves are then recomputed
+VERSION = 2  # bump when the calibration's procedure changes: cached curves are then recomputed (2: read counts)
 CALIBRATION_SEED = 0  # which clean images calibrate (the same for every run seed: one calibration per model)
 BUILTIN_LENGTH_CORRUPTIONS = 15  # the built-in default length: a normal run's 15 corruptions x --images
+MIN_READABLE = 0.5  # the calibration refuses when fewer than half its images can be read (`min_readable`)
 
 
 def clean_source(cfg) -> tuple[Any, str]:
   """The clean images the stream draws from, and the strength of its corruptions."""
   if cfg.dataset == "fmnist_c":
-    from pcsr_jax.data import fashion_mnist, fmnist_c
+    from pcsr_jax.data import fashion_mnist
+    from pcsr_jax.data.generators import fmnist_c
 
     images, labels = fashion_mnist.load("test", cfg.fmnist_dir)
     return fmnist_c.ArraySource(images, labels, len(fashion_mnist.CLASSES)), "cifar"
@@ -61,11 +70,31 @@ def default_length(cfg) -> int:
   return ccc.LENGTH
 
 
-def _calibration_images(clean, calib: np.ndarray, strength: str) -> np.ndarray:
-  """The clean calibration images as the model sees them uncorrupted: ImageNet's centre crops."""
-  if strength == "cifar":
-    return np.stack([np.asarray(clean.load(int(i)), np.uint8) for i in calib])
-  return np.stack([generated.release_crop(clean.load(int(i))) for i in calib])
+def where(cfg) -> str:
+  """How error messages name the clean images: the flag and folder, or the built-in benchmark's."""
+  return f"--clean-data {cfg.clean_data}" if cfg.clean_data else "the built-in benchmark's clean images"
+
+
+def min_readable(n: int) -> int:
+  """How many of ``n`` calibration images must be readable: `MIN_READABLE` of them, at least one."""
+  return max(1, math.ceil(MIN_READABLE * n))
+
+
+def _calibration_images(clean, calib: np.ndarray, strength: str) -> tuple[np.ndarray, np.ndarray, list[str]]:
+  """``(images, read, skipped)``: the clean calibration images that could be read, as the model sees them
+  uncorrupted (ImageNet's centre crops), their indices, and the names of those that could not be: a source's
+  `sources.Unreadable`, left out as the stream's loader leaves it out (`pcsr_jax.data.loader.Loader.decode`);
+  any other error is no unreadable image and propagates."""
+  images, read, skipped = [], [], []
+  for i in calib:
+    try:
+      img = clean.load(int(i))
+    except sources.Unreadable:  # missing, truncated, broken, not a regular file: skipped and counted
+      skipped.append(clean.names[int(i)])
+      continue
+    images.append(np.asarray(img, np.uint8) if strength == "cifar" else generated.release_crop(img))
+    read.append(int(i))
+  return (np.stack(images) if images else np.zeros((0, 1, 1, 3), np.uint8)), np.asarray(read, np.int64), skipped
 
 
 def _as_streamed(x: np.ndarray, strength: str) -> np.ndarray:
@@ -106,11 +135,15 @@ def _accuracy_fn(model, params, meta: dict, preprocess: transforms.Preprocess, b
 
 def calibrate(cfg, clean, strength: str, model, params, meta: dict, preprocess: transforms.Preprocess,
               ckpt_digest: str, log) -> dict:
-  """The checkpoint's accuracy curves under each corruption (cached): ``{"curves", "clean_accuracy",
-  "images", ...}``."""
+  """The checkpoint's accuracy curves under each corruption: ``{"curves", "clean_accuracy", "images", "skipped",
+  "skipped_names", "pool"}`` (``images``: the calibration images read, ``skipped``: those unreadable, left out).
+
+  A cache entry is used only if it passes the checks a fresh calibration does (`_load`); otherwise the
+  calibration is measured again, the log saying why, and cached; where the cache cannot be written the run
+  goes on from the fresh calibration and the log says so (`_save`). A model that no clean image finds
+  right (`ccc.clean_problem`) or too few readable images (`min_readable`) are refused in one line."""
   calib, pool = ccc.calibration_split(len(clean), cfg.ccc_calibration_images, CALIBRATION_SEED)
   names = [clean.names[int(i)] for i in calib]
-  keys = np.asarray([generated.image_key(n) for n in names], np.int64)
   noises = ccc.noises_for(cfg.ccc_target)
   desc = dict(version=VERSION, ccc=ccc.VERSION, generated=generated.VERSION, checkpoint=ckpt_digest,
               strength=strength, grid=ccc.GRID.tolist(), noises=list(noises), corruption_seed=cfg.corruption_seed,
@@ -118,40 +151,99 @@ def calibrate(cfg, clean, strength: str, model, params, meta: dict, preprocess: 
               .hexdigest(), files=sources.files_digest(clean, calib), img_size=preprocess.img_size)
   key = hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
   path = os.path.join(source_stats.cache_dir_for(cfg.checkpoint, cfg.output), f"ccc-calibration-{key}.json")
-  cached = _load(path, desc, noises)
+  cached, why = _load(path, desc, noises, len(calib))
   if cached is not None:
-    log(f"ccc: calibration from {path}")
+    log(f"ccc: calibration from {path}{_skipped_note(cached, len(calib))}")
     return dict(cached, pool=pool)
   log(f"ccc: calibrating the checkpoint on {len(calib)} held-out clean images x {len(noises)} corruptions x "
-      f"{len(ccc.GRID) - 1} severities (once per checkpoint; cached in {path})")
-  images = _calibration_images(clean, calib, strength)
-  labels = np.asarray(clean.labels)[calib]
-  curves = ccc.calibrate(images, labels, _accuracy_fn(model, params, meta, preprocess, cfg.batch_size),
+      f"{len(ccc.GRID) - 1} severities ({why}; once per checkpoint, cached in {path})")
+  images, read, skipped = _calibration_images(clean, calib, strength)
+  if len(read) < min_readable(len(calib)):
+    raise UserError(f"{where(cfg)}: only {len(read)} of the {len(calib)} CCC calibration images could be read "
+                    f"(at least {min_readable(len(calib))} needed; unreadable: "
+                    f"{', '.join(skipped[:source_stats.SKIPPED_NAMED])}"
+                    f"{', ...' if len(skipped) > source_stats.SKIPPED_NAMED else ''})")
+  if skipped:
+    log(f"ccc: {len(skipped):,} of {len(calib):,} calibration images could not be read and were left out (e.g. "
+        f"{', '.join(skipped[:source_stats.SKIPPED_NAMED])})")
+  keys = np.asarray([generated.image_key(clean.names[int(i)]) for i in read], np.int64)
+  curves = ccc.calibrate(images, np.asarray(clean.labels)[read],
+                         _accuracy_fn(model, params, meta, preprocess, cfg.batch_size),
                          _corrupt_fn(keys, strength, cfg.corruption_seed), noises,
                          clean_fn=lambda images: np.stack([_as_streamed(x, strength) for x in images]))
-  out = dict(describe=desc, clean_accuracy=float(next(iter(curves.values()))[0]), images=len(calib),
-             curves={c: [round(float(v), 4) for v in a] for c, a in curves.items()})
-  files.write_json(path, out, indent=1)
-  return dict(out, pool=pool)
+  # As cached, so that a fresh run and a cached one walk the very same numbers.
+  curves = {c: [round(float(v), 4) for v in a] for c, a in curves.items()}
+  clean_accuracy = curves[noises[0]][0]
+  why = ccc.clean_problem(clean_accuracy)
+  if why:
+    raise UserError(f"--checkpoint {cfg.checkpoint}: CCC calibration on {len(read)} clean images of {where(cfg)}: "
+                    f"{why}")
+  out = dict(describe=desc, clean_accuracy=clean_accuracy, images=len(read), skipped=len(skipped),
+             skipped_names=skipped[:source_stats.SKIPPED_NAMED], curves=curves)
+  _save(path, out, log)
+  return dict({k: v for k, v in out.items() if k != "describe"}, pool=pool)
 
 
-def _load(path: str, desc: dict, noises) -> Optional[dict]:
-  """A cached calibration made from ``desc``, or None (absent, unreadable, another model or data)."""
+def _skipped_note(cal: dict, n: int) -> str:
+  """The log's note of a calibration's unreadable images ("" when none)."""
+  if not cal["skipped"]:
+    return ""
+  more = ", ..." if cal["skipped"] > len(cal["skipped_names"]) else ""
+  return (f" ({cal['skipped']:,} of {n:,} calibration images unreadable, left out: "
+          f"{', '.join(cal['skipped_names'])}{more})")
+
+
+def _load(path: str, desc: dict, noises, n: int) -> tuple[Optional[dict], str]:
+  """``(calibration, "")`` from a cache entry made from ``desc`` of ``n`` calibration images, or ``(None, why
+  not)``: absent, not a file (a directory in its place), unreadable, made from another model, data or version,
+  or holding what a fresh calibration cannot give (accuracies outside 0..100, NaN or null, a clean accuracy
+  `ccc.clean_problem` refuses, read counts that do not add up): an edited or damaged entry, rebuilt."""
+  if not os.path.isfile(path):
+    return None, f"{path} is not a file" if os.path.lexists(path) else "not computed yet"
   try:
     with open(path) as f:
       data = json.load(f)
-    curves = data["curves"]
-    ok = (data["describe"] == json.loads(json.dumps(desc)) and set(curves) == set(noises) and
-          all(len(curves[c]) == len(ccc.GRID) for c in noises))
-  except (OSError, ValueError, KeyError, TypeError):
-    return None
-  return data if ok else None
+  except (OSError, ValueError, RecursionError) as e:
+    return None, f"{path} unreadable ({type(e).__name__})"
+  if not isinstance(data, dict):
+    return None, f"{path} is not a calibration"
+  if data.get("describe") != json.loads(json.dumps(desc)):
+    return None, "computed from another checkpoint, data or version"
+  curves = data.get("curves")
+  why = ccc.curves_problem(curves, noises) or ccc.clean_problem(curves[noises[0]][0])
+  if not why and data.get("clean_accuracy") != curves[noises[0]][0]:
+    why = f"clean_accuracy {data.get('clean_accuracy')!r:.30} is not its curves' {curves[noises[0]][0]}"
+  count = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0
+  images, skipped, named = data.get("images"), data.get("skipped"), data.get("skipped_names")
+  if not why and not (count(images) and count(skipped) and images + skipped == n and images >= min_readable(n)
+                      and isinstance(named, list) and len(named) == min(skipped, source_stats.SKIPPED_NAMED)
+                      and all(isinstance(x, str) for x in named)):
+    why = f"read counts images {images!r:.20}, skipped {skipped!r:.20} are not a calibration of {n} images"
+  if why:
+    return None, f"{path}: {why}"
+  return dict(clean_accuracy=curves[noises[0]][0], images=images, skipped=skipped, skipped_names=named,
+              curves=curves), ""
+
+
+def _save(path: str, out: dict, log) -> None:
+  """Caches a fresh calibration; where it cannot be written (a directory in the way, an immutable or read-only
+  entry) the run goes on from the fresh one, and the log says it was not cached."""
+  try:
+    files.write_json(path, out, indent=1)
+  except OSError as e:
+    log(f"ccc: calibration not cached: cannot write {path} ({e.strerror or type(e).__name__}); this run uses "
+        f"the fresh calibration")
+    return
+  log(f"ccc: calibration saved to {path}")
 
 
 def build(cfg, model, params, meta: dict, preprocess: transforms.Preprocess, ckpt_digest: str, log
           ) -> tuple[ccc.CCCSource, dict]:
   """The run's CCC source and what results.json records of it (the calibration and the walk)."""
   clean, strength = clean_source(cfg)
+  # The clean labels against the checkpoint's head before any calibration work (the harness checks every
+  # stream's labels again after, as it does every domain's).
+  sources.check_classes(clean, meta["num_classes"], datasets.get(cfg.dataset).class_subset(), where(cfg))
   cal = calibrate(cfg, clean, strength, model, params, meta, preprocess, ckpt_digest, log)
   curves = {c: np.asarray(v, np.float64) for c, v in cal["curves"].items()}
   plan = ccc.make_plan(curves, cal["clean_accuracy"], cfg.ccc_target, cfg.ccc_speed, default_length(cfg),
@@ -161,7 +253,9 @@ def build(cfg, model, params, meta: dict, preprocess: transforms.Preprocess, ckp
       f"steps over {len(plan.noises)} corruptions, walk seed {cfg.corruption_seed}; the checkpoint's clean "
       f"calibration accuracy {cal['clean_accuracy']:.1f}%")
   record = dict(target=cfg.ccc_target, speed=cfg.ccc_speed, length=plan.length, seed=cfg.corruption_seed,
-                strength=strength, calibration=dict(images=cal["images"], clean_accuracy=cal["clean_accuracy"],
-                                                    curves=cal["curves"], grid=ccc.GRID.tolist()),
+                strength=strength, calibration=dict(images=cal["images"], skipped=cal["skipped"],
+                                                    skipped_names=cal["skipped_names"],
+                                                    clean_accuracy=cal["clean_accuracy"], curves=cal["curves"],
+                                                    grid=ccc.GRID.tolist()),
                 walk=plan.walk())
   return src, record

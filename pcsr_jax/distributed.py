@@ -8,7 +8,8 @@ identical to a one-process run (the same global batches, in the same order):
 * per batch, the processes exchange which of their rows were readable and whether a stop (SIGINT/SIGTERM) was
   requested (`Exchange.allgather`), so all of them compact the batch the same way and stop at the same batch;
 * process 0 alone writes outputs and the resume state; every process reads the saved progress on ``--resume``
-  (the output folder must be on a filesystem shared by all hosts).
+  (the output folder must be on a filesystem shared by all hosts); `batches` is the harness's stream of batches
+  under these rules.
 
 The exchanges go through the coordination service's key-value store, not a device collective: reading a device
 collective's result would wait for the step already queued on the device, stalling the pipeline once per batch.
@@ -24,12 +25,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import itertools
+import json
 import socket
 import sys
 import time
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import jax
+import numpy as np
 
 from pcsr_jax.errors import UserError
 
@@ -185,3 +188,52 @@ class Exchange:
     yield
     if is_main():
       self.barrier()
+
+
+def batches(setup: Any, adapter: Any, seg: Any, start_batch: int, stop: Any) -> Iterator[tuple]:
+  """The harness's batches (`harness._batches`) over several processes, giving exactly the one-process batches.
+
+  This process decodes the batch's items at its rows ``lo..hi`` (`Adapter.local_rows`). The processes then
+  exchange which of those were readable and whether a stop was requested: every process learns the batch's
+  readable items, compacts them as one process would (unreadable items dropped, the rest moved up, padding
+  at the end), and places the images of its rows of the compacted batch. An image that moved into its rows from
+  another process's share (after an unreadable one) is decoded here again; without unreadable images nothing
+  moves. All processes stop after the same batch: the first whose exchange carries a stop request.
+  """
+  from pcsr_jax.data.loader import Batch
+
+  loader, bs = setup.loader, setup.cfg.batch_size
+  lo, hi = adapter.local_rows()
+  blank = None  # (shape, dtype) of an image, for padding rows
+  for k, local in enumerate(loader.batches(seg.source_ids, seg.indices, start_batch=start_batch, rows=(lo, hi))):
+    s = (start_batch + k) * bs
+    ids, idx = seg.source_ids[s:s + bs], seg.indices[s:s + bs]
+    mine = np.zeros(hi - lo, bool)
+    mine[local.positions - lo] = True
+    shares = [json.loads(w) for w in setup.exchange.allgather(json.dumps(
+        ["".join("1" if m else "0" for m in mine), bool(stop.requested)]))]
+    readable = np.asarray([c == "1" for bits, _ in shares for c in bits], bool)[:len(idx)]
+    stop_now = any(flag for _, flag in shares)
+    ok = np.flatnonzero(readable)
+    srcs = [setup.srcs[int(i)] for i in ids]
+    batch = Batch(images=np.zeros((0,)), labels=np.asarray([srcs[j].labels[idx[j]] for j in ok], np.int32),
+                  names=[srcs[j].names[idx[j]] for j in ok], tags=np.asarray(ids[ok], np.int32),
+                  skipped=[srcs[j].names[idx[j]] for j in np.flatnonzero(~readable)], positions=ok)
+    if not len(ok):
+      yield batch, None, stop_now
+      continue
+    decoded = dict(zip(local.positions.tolist(), local.images))
+    rows = []
+    for j in ok[lo:hi].tolist():
+      x = decoded[j] if j in decoded else loader.decode(int(ids[j]), int(idx[j]))
+      if x is None:
+        raise UserError(f"{seg.name}/{srcs[j].names[idx[j]]}: read by one process, unreadable by another")
+      rows.append(x)
+    if blank is None:
+      x = rows[0] if rows else loader.decode(int(ids[ok[0]]), int(idx[ok[0]]))
+      blank = (x.shape, x.dtype)
+    images = np.zeros((hi - lo,) + blank[0], blank[1])
+    if rows:
+      images[:len(rows)] = np.stack(rows)
+    valid = np.arange(lo, hi) < len(ok)
+    yield batch, adapter.place_local(images, valid), stop_now

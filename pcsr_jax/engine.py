@@ -27,7 +27,7 @@
   fewer bytes to transfer) are normalized inside the compiled step with the
   checkpoint's ``mean``/``std`` given to the Adapter, by a lookup in
   `transforms.normalize_table`: bit for bit the host's `Preprocess.normalize`.
-* ``row_chunk=N`` runs every forward of the step in passes of N rows (`methods.base.in_row_passes`): the same
+* ``row_chunk=N`` runs every forward of the step in passes of N rows (`methods.rows.in_row_passes`): the same
   step up to float32 rounding, faster on CPUs at large batches (the activations of a pass stay in the caches).
 """
 
@@ -223,9 +223,17 @@ class Adapter:
     return images
 
   def step(self, state: AdaptState, images) -> tuple[AdaptState, jax.Array, dict[str, jax.Array]]:
-    """One online step on a batch (NHWC uint8, or float32 normalized). Logits of padded rows are garbage:
-    use ``[:n]``."""
-    return self.step_placed(state, self.place(images))
+    """One online step on a batch of up to ``batch_size`` images (NHWC uint8, or float32 normalized): the logits
+    of those images, one row each (a smaller batch is padded to the compiled size inside, and the padding's rows
+    cut off)."""
+    shape, c = np.shape(images), self.prep.model.config
+    want = (c.img_size, c.img_size, c.in_chans)
+    if len(shape) != 4 or tuple(shape[1:]) != want:
+      raise UserError(f"images of shape {tuple(shape)}: expected [batch, {want[0]}, {want[1]}, {want[2]}] "
+                      f"(NHWC at the checkpoint's img_size, meta['img_size'])")
+    n = shape[0]
+    state, logits, metrics = self.step_placed(state, self.place(images))
+    return state, (logits if n == self.padded_batch else logits[:n]), metrics
 
   def step_placed(self, state: AdaptState, placed: tuple[jax.Array, jax.Array]
                   ) -> tuple[AdaptState, jax.Array, dict[str, jax.Array]]:

@@ -28,6 +28,29 @@ def atomic_path(path: str) -> Iterator[str]:
       os.remove(tmp)
 
 
+def check_output_dir(path: str, flag: str = "--output", beside: bool = False) -> None:
+  """``path`` can become or already is a writable folder: nothing but folders along it and the nearest existing
+  one writable; else a one-line `UserError` naming ``flag``. ``beside``: the command also writes next to
+  ``path`` (a temporary folder it renames over ``path``), so ``path``'s parent must be writable too. Checked
+  before any work, so that training does not end in a `NotADirectoryError`; it creates nothing, so a command
+  that stops later on other bad input leaves no empty folder behind."""
+  from pcsr_jax.errors import UserError
+
+  if not path:
+    raise UserError(f"{flag}: empty path")
+  if os.path.lexists(path) and not os.path.isdir(path):
+    raise UserError(f"{flag} {path}: exists and is not a directory")
+  must_write = [os.path.abspath(path)] + ([os.path.dirname(os.path.abspath(path))] if beside else [])
+  for target in must_write:
+    above = target
+    while not os.path.lexists(above):
+      above = os.path.dirname(above)
+    if not os.path.isdir(above):
+      raise UserError(f"{flag} {path}: {above} exists and is not a directory")
+    if not os.access(above, os.W_OK | os.X_OK):
+      raise UserError(f"{flag} {path}: {above} is not writable")
+
+
 def write_json(path: str, obj: Any, indent: Optional[int] = None) -> None:
   """``obj`` as JSON at ``path``, atomically."""
   with atomic_path(path) as tmp, open(tmp, "w") as f:

@@ -2,12 +2,15 @@
 
 * `UnitProgress` -- where one (method, seed) run stands: stream position and the open segment's tallies;
 * `RunProgress` -- everything a run has produced so far: records, curves, finished units, the open unit;
-* `Resume` -- ``<output>/resume/progress.json`` (replaced atomically) pointing at an orbax state directory.
+* `Resume` -- ``<output>/resume/progress.json`` (replaced atomically) pointing at an orbax state directory;
+* what ``--resume`` must find unchanged (`config_key`, `data_key`, `check_resumable`), and every process the
+  same saved progress (`check_same_progress`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -186,3 +189,91 @@ class Resume:
 
   def clear(self) -> None:
     shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- what --resume must find unchanged
+
+def config_key(config_json: dict, ckpt_digest: str) -> str:
+  """What ``--resume`` must find unchanged in the whole run: the settings that change results, and the
+  checkpoint's params (a checkpoint replaced at the same path is another model). ``--source-data`` and
+  ``--source-images`` are checked per unit instead (`run_setup.MethodPlan.source_key`): units that used no source
+  statistics keep their records when they change."""
+  keep = {k: v for k, v in config_json.items()
+          if k not in ("resume", "progress", "workers", "loader", "checkpoint_every", "source_data", "source_images")}
+  return json.dumps(dict(keep, checkpoint_params=ckpt_digest), sort_keys=True)
+
+
+def data_key(srcs: list) -> str:
+  """A digest of every stream item in order (name and label), and of how generated data is made (the
+  generator's version, corruption, severity and seed: `generated.CorruptedSource.describe`): what --resume
+  must find unchanged."""
+  h = hashlib.sha256()
+  for src in srcs:
+    h.update(f"{len(src)} {getattr(src, 'describe', '')}\n".encode())
+    base = getattr(src, "clean", src)  # generated data: the clean images' names (CCC's 7.5M come from them)
+    h.update("\n".join(base.names).encode())
+    h.update(np.asarray(base.labels, np.int64).tobytes())
+  return h.hexdigest()
+
+
+def check_resumable(progress: RunProgress, key: str, data_key: str, source_keys: dict[str, str], path: str,
+                    checkpoint_dir: str, log) -> None:
+  """Saved progress is continued only under the configuration, checkpoint params and data it was made with.
+
+  A unit it holds (finished or open) that would now get other source statistics (``--source-data`` corrected,
+  its images repaired, ``--source-images`` changed) runs again from its start, its records dropped: its
+  statistics are not the run's any more. Units that used none, or the same, keep their records, so that
+  correcting ``--source-data`` loses no other work. ``source_keys``: each method's key of its statistics now."""
+  if progress.config_key != key:
+    differ = _config_diff(progress.config_key, key)
+    if "checkpoint_params" in differ:
+      raise UserError(f"{path}: the params of --checkpoint {checkpoint_dir} changed since the progress was saved "
+                      f"(replaced or re-converted); rerun without --resume to start over")
+    raise UserError(f"{path}: saved progress is from a different configuration"
+                    f"{' (' + ', '.join(differ) + ' differ)' if differ else ''}; drop --resume or use another --output")
+  if progress.data_key != data_key:
+    raise UserError(f"{path}: the data changed since the progress was saved (images added, removed or "
+                    f"relabelled); rerun without --resume to start over")
+  for unit in progress.done + ([progress.unit.key] if progress.unit else []):
+    saved, now = progress.source_keys.get(unit), source_keys[unit.rsplit("/seed", 1)[0]]
+    if saved != now:
+      why = ("it ran without --source-data" if str(saved).startswith("none") else
+             "this run has no --source-data" if now.startswith("none") else
+             "--source-data, --source-images or the source images changed")
+      log(f"{unit}: its source statistics would differ from those it ran with ({why}); running it again from "
+          f"the start")
+      _forget_unit(progress, unit)
+
+
+def _forget_unit(progress: RunProgress, unit: str) -> None:
+  """Drops what ``unit`` (``<method>/seed<s>``) produced from ``progress``, so that it runs again."""
+  method, seed = unit.rsplit("/seed", 1)
+  progress.records = [r for r in progress.records if (r["method"], str(r["seed"])) != (method, seed)]
+  progress.curves.pop(unit, None)
+  progress.throughput.pop(unit, None)
+  progress.source_keys.pop(unit, None)
+  progress.done = [u for u in progress.done if u != unit]
+  if progress.unit is not None and progress.unit.key == unit:
+    progress.unit = None
+
+
+def _config_diff(saved: str, now: str) -> list[str]:
+  """The settings in which two `config_key`s differ (empty if ``saved`` is not one)."""
+  try:
+    a, b = json.loads(saved), json.loads(now)
+  except ValueError:
+    return []
+  if not isinstance(a, dict):
+    return []
+  return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+def check_same_progress(exchange: Any, progress: Optional[RunProgress], path: str) -> None:
+  """Every process must resume from the same saved progress: the output folder has to be shared by all hosts."""
+  mine = "none" if progress is None else hashlib.sha256(
+      json.dumps(progress.to_json(), sort_keys=True).encode()).hexdigest()
+  seen = exchange.allgather(mine)
+  if len(set(seen)) > 1:
+    odd = next(p for p, h in enumerate(seen) if h != seen[0])
+    raise UserError(f"{path}: process {odd} sees other saved progress than process 0; --output must be a folder "
+                    f"shared by every process")

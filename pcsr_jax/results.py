@@ -1,15 +1,19 @@
-"""Result records -> results.json, results.csv, the paper's Table 1 layout (table.md) and plots."""
+"""Result records -> results.json, results.csv, the paper's Table 1 layout (table.md) and plots; a run's outputs
+(`write_outputs`) and the removal of an earlier run's (`remove_outputs`)."""
 
 from __future__ import annotations
 
 import csv
 import os
+import re
+import sys
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from pcsr_jax import files
+from pcsr_jax import distributed, files
 from pcsr_jax.data.imagenet import SHORT_NAMES
+from pcsr_jax.errors import UserError
 
 FIELDS = ("method", "setting", "corruption", "severity", "seed", "eval_order", "accuracy", "num_samples",
           "num_skipped", "seconds", "resets")
@@ -148,3 +152,144 @@ def plot(out_dir: str, records: Sequence[dict], curves: dict[str, Any], corrupti
   ax.legend(fontsize=7)
   paths.append(save(fig, PLOTS[2]))
   return paths
+
+
+def versions() -> dict[str, str]:
+  """The versions and devices a run ran with (results.json)."""
+  import flax
+  import jax
+  import optax
+
+  import pcsr_jax
+
+  return dict(pcsr_jax=pcsr_jax.__version__, jax=jax.__version__, flax=flax.__version__, optax=optax.__version__,
+              numpy=np.__version__, python=sys.version.split()[0], devices=str(jax.devices()))
+
+
+def caption(records: Sequence[dict], cfg: Any) -> str:
+  """What table.md's numbers are: accuracy in %, the stream (severity, setting), the seeds, the images."""
+  images = sorted({r["num_samples"] for r in records})
+  count = f"{images[0]:,}" if len(images) == 1 else f"{images[0]:,} to {images[-1]:,}"
+  stream = ("CCC's walk, " if cfg.setting == "ccc" else "severities 1..5..1, " if cfg.setting == "gradual" else
+            f"severity {cfg.severity}, " if any(r.get("severity") is not None for r in records) else "")
+  seeds = sorted({r["seed"] for r in records})
+  per = "domain (per segment)" if cfg.setting == "gradual" else "domain"
+  return (f"Online accuracy (%) of each method on each domain and their average ({stream}setting "
+          f"{cfg.setting}), mean ± std over seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}; "
+          f"{count} images per {per}; {cfg.dataset}, checkpoint {cfg.checkpoint}.\n\n")
+
+
+_PREDICTIONS = re.compile(r"_.+_(\d+(\.\d+)?|None)_seed\d+\.npz$")  # `predictions_file`'s names after the method's
+
+
+def predictions_file(out: str, method: str, domain: str, severity: float, seed: int) -> str:
+  return os.path.join(out, "predictions", f"{method}_{domain}_{severity}_seed{seed}.npz")
+
+
+def remove_outputs(out: str, log) -> None:
+  """A fresh run owns its output folder's results: it removes those of an earlier run (results, table, plots and
+  predictions files), so that none is taken for its own: a stale "complete" result, or the predictions of a
+  method it does not run. Only files named as the harness names them go; the user's other files stay."""
+  gone = [os.path.join(out, n) for n in ("results.json", "results.csv", "table.md") + PLOTS]
+  pred_dir = os.path.join(out, "predictions")
+  if os.path.isdir(pred_dir):
+    gone += [os.path.join(pred_dir, f) for f in sorted(os.listdir(pred_dir))
+             if any(f.startswith(m) and _PREDICTIONS.fullmatch(f[len(m):]) for m in _registry())]
+  gone = [p for p in gone if os.path.isfile(p)]
+  for p in gone:
+    os.remove(p)
+  if any(os.path.dirname(p) == pred_dir for p in gone):
+    log(f"removed {sum(os.path.dirname(p) == pred_dir for p in gone)} predictions files of an earlier run from "
+        f"{pred_dir}")
+
+
+def _registry():
+  from pcsr_jax import methods
+
+  return methods.REGISTRY
+
+
+def record_segment(setup: Any, unit: Any, seg, method_name: str, seed: int, eval_order: str,
+                    resets: int, source_used: str = "none") -> list[dict]:
+  """Records the segment's per-domain accuracies in the run's progress (for mix_shifts: every corruption in the
+  mix), and its predictions files with ``--save-predictions``; returns the records.
+
+  ``resets`` counts the method's in-step recoveries (SAR's EMA reset) since its state was last initialized.
+  On an open-set dataset (VisDA-2021) ``accuracy`` counts every sample, as the papers do, and
+  ``accuracy_known`` only those of a known class, the official metric.
+  """
+  from pcsr_jax.data.streams import split_domain
+
+  cfg, out = setup.cfg, []
+  for tag in ([seg.name] if seg.name != "mix" else setup.names):
+    counts, preds = unit.take_domain(tag)
+    if counts is None:
+      continue
+    correct, total, correct_known, known = counts
+    corruption, severity = split_domain(tag, None if cfg.setting == "ccc" else cfg.severity)
+    rec = dict(method=method_name, setting=cfg.setting, corruption=corruption, severity=severity, seed=seed,
+               eval_order=eval_order, accuracy=correct / max(total, 1), num_samples=total,
+               num_skipped=unit.skipped, seconds=unit.seconds, resets=resets, source_data=source_used)
+    stem = corruption
+    if tag != corruption:  # gradual: a corruption's severities, each met twice but 5: named by stream segment
+      rec.update(domain=tag, segment=unit.segment)
+      stem = f"{corruption}-segment{unit.segment}"
+    if setup.spec.open_set:
+      rec.update(accuracy_known=correct_known / max(known, 1), num_known=known)
+    setup.progress.records.append(rec)
+    out.append(rec)
+    if cfg.save_predictions and distributed.is_main():
+      fn, lab, pred = preds
+      path = predictions_file(cfg.output, method_name, stem, severity, seed)
+      os.makedirs(os.path.dirname(path), exist_ok=True)
+      np.savez(path, file_names=np.asarray(fn), labels=np.asarray(lab, np.int32),
+               predictions=np.asarray(pred, np.int32))
+  return out
+
+
+def write_outputs(setup: Any, log) -> dict:
+  """A finished run's outputs from its progress (`run_setup.Setup`): results.json, results.csv, table.md (with
+  its caption) and the plots, by process 0; nothing claims completion unless every planned (method, seed,
+  domain) record exists. Returns what `harness.run` returns."""
+  import jax
+
+  from pcsr_jax import methods
+
+  cfg, progress = setup.cfg, setup.progress
+  records = progress.records
+  have = {(r["method"], r["seed"], r.get("domain", r["corruption"])) for r in records}
+  missing = [(m, s, d) for s in cfg.seeds for m in cfg.methods for d in setup.names if (m, s, d) not in have]
+  if missing:
+    m, s, d = missing[0]
+    lost = sum(n.startswith(f"{d}/") for n in progress.skipped)
+    raise UserError(f"no image of {d} was evaluated for {m} seed {s} ({lost} unreadable, "
+                    f"{len(missing)} of {len(cfg.seeds) * len(cfg.methods) * len(setup.names)} planned results "
+                    f"missing): nothing written")
+  tbl = table(records, setup.columns(), cfg.methods)
+  out = dict(records=records, curves=progress.curves, skipped=progress.skipped, table=tbl,
+             decode_images_per_s=setup.decode_ips, throughput=progress.throughput)
+  if not distributed.is_main():  # one set of outputs: process 0's
+    return out
+  extra = dict(versions=versions(), method_classes={m: methods.origin(m) for m in cfg.methods},
+               skipped=progress.skipped, decode_images_per_s=setup.decode_ips,
+               throughput=progress.throughput, curves=progress.curves)
+  if distributed.is_multiprocess():
+    extra["processes"] = jax.process_count()
+  if setup.ccc is not None:
+    extra["ccc"] = setup.ccc
+  write_json(os.path.join(cfg.output, "results.json"), records, setup.config_json, extra)
+  write_csv(os.path.join(cfg.output, "results.csv"), records)
+  with open(os.path.join(cfg.output, "table.md"), "w") as f:
+    f.write(caption(records, cfg) + tbl)
+  plots = plot(cfg.output, records, progress.curves, setup.columns(), cfg.methods)
+  setup.resume.clear()
+  log(tbl)
+  if setup.spec.open_set:  # VisDA-2021: the papers count every sample; the official metric known classes only
+    for m in cfg.methods:
+      recs = [r for r in records if r["method"] == m]
+      log(f"{m}: accuracy over all samples {100 * np.mean([r['accuracy'] for r in recs]):.2f}%, over "
+          f"known-class samples {100 * np.mean([r['accuracy_known'] for r in recs]):.2f}%")
+  if progress.skipped:
+    log(f"skipped {len(progress.skipped)} unreadable images (listed in results.json)")
+  log(f"wrote {cfg.output}/results.json, results.csv, table.md, {', '.join(os.path.basename(p) for p in plots)}")
+  return out

@@ -64,7 +64,8 @@ def open_source_data(spec: str, meta: Mapping[str, Any], tfds_data_dir: Optional
   """Opens ``--source-data``; ImageNet images get Resize(256) + CenterCrop(224) (EATA's and FOA's source
   loaders), i.e. the checkpoint's preprocessing at crop 0.875."""
   if spec == "fmnist-train":
-    from pcsr_jax.data import fashion_mnist, fmnist_c
+    from pcsr_jax.data import fashion_mnist
+    from pcsr_jax.data.generators import fmnist_c
 
     images, labels = fashion_mnist.load("train", fmnist_dir)
     src = fmnist_c.ArraySource(images, labels, len(fashion_mnist.CLASSES))

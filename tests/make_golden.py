@@ -57,7 +57,8 @@ CIFAR_CORRUPTIONS = os.path.join("corruptions", "cifar.npz")
 
 
 def make_cifar_corruptions(out_dir: str = GOLDEN_DIR) -> None:
-  from pcsr_jax.data import corruptions, fashion_mnist
+  from pcsr_jax.data import fashion_mnist
+  from pcsr_jax.data.generators import corruptions
 
   x = fashion_mnist.load("test")[0][:4]
   os.makedirs(os.path.join(out_dir, os.path.dirname(CIFAR_CORRUPTIONS)), exist_ok=True)

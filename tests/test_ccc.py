@@ -1,4 +1,4 @@
-"""CCC's continuously changing corruptions (`pcsr_jax.data.ccc`): the walk search against CCC's recursive
+"""CCC's continuously changing corruptions (`pcsr_jax.data.generators.ccc`): the walk search against CCC's recursive
 code, the plan's rules and determinism, position-wise regeneration, and the calibration."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 from PIL import Image
 
 from benchmarks.torch_methods import ccc_walk
-from pcsr_jax.data import ccc, corruptions, generated
-from pcsr_jax.data.fmnist_c import ArraySource
+from pcsr_jax.data.generators import ccc, corruptions, generated
+from pcsr_jax.data.generators.fmnist_c import ArraySource
 from pcsr_jax.errors import UserError
 
 def _curves(noises, clean=80.0, seed=0):
@@ -288,6 +288,7 @@ def test_harness_ccc_on_the_builtin_benchmark(tmp_path):
   assert [w["start"] for w in walk] == [0, 64, 128] and saved["ccc"]["length"] == 192
   assert set(cal["curves"]) == set(ccc.NOISES[20]) and all(len(v) == 21 for v in cal["curves"].values())
   assert all(0 <= x <= 100 for v in cal["curves"].values() for x in v)
+  assert (cal["images"], cal["skipped"], cal["skipped_names"]) == (16, 0, [])  # every calibration image read
   recs = res["records"]
   assert [(r["method"], r["corruption"], r["severity"], r["num_samples"]) for r in recs] == \
       [("source", "ccc", None, 192), ("tent", "ccc", None, 192)]
@@ -307,7 +308,7 @@ def test_harness_ccc_on_the_builtin_benchmark(tmp_path):
 
 @pytest.mark.parametrize("match,kw", [
     ("--ccc-target: expected a percentage 0..100", dict(ccc_target=150)),
-    ("--ccc-speed: expected a positive integer, got 0", dict(ccc_speed=0)),
+    ("--ccc-speed: expected a positive integer.*, got 0", dict(ccc_speed=0)),
     ("--ccc-calibration-images: expected a positive integer", dict(ccc_calibration_images=-3)),
 ])
 def test_harness_ccc_bad_values_fail_in_one_line(tmp_path, match, kw):

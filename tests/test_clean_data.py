@@ -16,7 +16,8 @@ from PIL import Image
 
 import harness_fixtures as hf
 from pcsr_jax import checkpoint, harness
-from pcsr_jax.data import ccc, generated, imagenet, sources, transforms
+from pcsr_jax.data import imagenet, sources, transforms
+from pcsr_jax.data.generators import ccc, generated
 from pcsr_jax.data.loader import Loader
 from pcsr_jax.errors import UserError
 from pcsr_jax.experiments.imagenet_c import main
@@ -124,7 +125,8 @@ def run_cli(world, out, *flags):
     (r"--data and --clean-data: give one", ["--clean-data", "CLEAN", "--data", "CLEAN"]),
     ("--clean-data generates ImageNet-C: not for --dataset imagenet_r",
      ["--clean-data", "CLEAN", "--dataset", "imagenet_r"]),
-    (r"--severity: expected a number in \(0, 5\], got 5.5", ["--clean-data", "CLEAN", "--severity", "5.5"]),
+    (r"--severity: expected a number in \[0.01, 5\], got 5.5", ["--clean-data", "CLEAN", "--severity", "5.5"]),
+    (r"--severity: expected a number in \[0.01, 5\], got 1e-10", ["--clean-data", "CLEAN", "--severity", "1e-10"]),
     ("--severity: expected a number, got 'high'", ["--clean-data", "CLEAN", "--severity", "high"]),
     (r"--severity: expected 1 to 5 \(fractions need generated data", ["--data", "CLEAN", "--severity", "2.5"]),
     ("--corruptions: unknown corruption 'rain'", ["--clean-data", "CLEAN", "--corruptions", "rain"]),

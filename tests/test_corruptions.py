@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pcsr_jax.data import corruptions, fashion_mnist, generated
+from pcsr_jax.data import fashion_mnist
+from pcsr_jax.data.generators import corruptions, generated
 from pcsr_jax.errors import UserError
 
 
@@ -201,3 +202,58 @@ def test_cifar_strength_is_unchanged():
     got = corruptions.corrupt_batch(x, c, 3, 0, 500)
     diff = np.abs(got.astype(np.int16) - golden[c])
     assert got.shape == golden[c].shape and diff.max() <= 1 and (diff > 0).mean() <= 0.005, (c, diff.max())
+
+
+def test_severities_below_the_minimum_are_refused_in_one_line():
+  """Below `MIN_FRACTIONAL_SEVERITY` no path computes the corruption faithfully (numpy's Poisson refuses shot
+  noise's photon count below ~6.5e-18, motion blur's kernel is NaN below ~1e-160, the device's float32 loses the
+  noises' truncation flips; ``benchmarks/device_small_severity.py``): `params` and `corrupt` refuse them, where
+  ``corrupt(..., 1e-300)`` raised numpy's ``ValueError: lam value too large`` before."""
+  low = corruptions.MIN_FRACTIONAL_SEVERITY
+  x = np.full((32, 32, 3), 128, np.uint8)
+  for s in (1e-300, 1e-10, low / 2):
+    for strength in corruptions.STRENGTHS:
+      with pytest.raises(UserError, match=rf"severity {s:g}: expected 0 \(the clean image\) or a number from "
+                                          rf"{low:g} to 5$"):
+        corruptions.params("shot_noise", s, strength)
+    with pytest.raises(UserError, match="expected 0"):
+      corruptions.corrupt(x, "shot_noise", s, 0, 0, strength="imagenet")
+  assert np.array_equal(corruptions.corrupt(x, "shot_noise", 0, 0, 0), x)  # 0: the clean image (CCC's walks)
+  assert corruptions.params("shot_noise", low, "imagenet") == pytest.approx(60 / low)
+
+
+@pytest.mark.parametrize("strength", corruptions.STRENGTHS)
+def test_every_corruption_at_the_minimum_severity_barely_changes_the_image(strength, photos):
+  """At the minimum every host function runs and stays near the clean image: no NaN (a black image), no
+  overflowed noise. Bound: 6 levels on average, above JPEG quality 85's own change (jpeg_compression's row there;
+  3.3 levels at 224 px, 5.7 at 32 px) and shot noise's (2.1 at 224 px), far below severity 1's."""
+  x = photos[1] if strength == "imagenet" else photos[1][:32, :32]
+  for name in corruptions.ALL:
+    out = corruptions.corrupt(x, name, corruptions.MIN_FRACTIONAL_SEVERITY, 0, 0, strength=strength)
+    assert out.shape == x.shape and np.abs(out.astype(int) - x).mean() <= 6, name
+
+
+def test_check_fractional_severity_is_the_flags_one_check():
+  low = corruptions.MIN_FRACTIONAL_SEVERITY
+  for good in (low, 0.25, 2.5, 3, 5, np.float32(4.5)):
+    assert corruptions.check_fractional_severity(good) == float(good)
+  for bad in (0, -1, low / 2, 1e-300, 5.5, float("nan"), float("inf"), "2", None, True):
+    with pytest.raises(UserError) as e:
+      corruptions.check_fractional_severity(bad)
+    assert str(e.value) == f"--severity: expected a number in [{low:g}, 5], got {bad!r}"
+  with pytest.raises(UserError, match=r"^--level: expected a number in"):
+    corruptions.check_fractional_severity(0, flag="--level")
+
+
+def test_check_seed_takes_numpys_seed_range_only():
+  for good in (0, 7, 2**32 - 1, np.int64(5)):
+    assert corruptions.check_seed(good) == int(good) and type(corruptions.check_seed(good)) is int
+  for bad in (-1, 2**32, True, 1.0, "3", None):
+    with pytest.raises(UserError) as e:
+      corruptions.check_seed(bad)
+    assert str(e.value) == f"--corruption-seed: expected an integer from 0 to 4294967295, got {bad!r}"
+  # numpy's SeedSequence raised a ValueError for a negative seed, counted by the loader as an unreadable image.
+  with pytest.raises(UserError, match="^corruption seed: expected an integer"):
+    corruptions.image_seed(-1, "fog", 3, 0)
+  with pytest.raises(UserError, match="^corruption seed: expected an integer"):
+    corruptions.corrupt(np.zeros((32, 32, 3), np.uint8), "gaussian_noise", 3, -1, 0)

@@ -1,4 +1,4 @@
-"""ImageNet-C-bar's corruptions (pcsr_jax/data/corruptions_bar.py) against the official code's per-pixel
+"""ImageNet-C-bar's corruptions (pcsr_jax/data/generators/corruptions_bar.py) against the official code's per-pixel
 loops (benchmarks/torch_methods/imagenet_c_bar.py), on small images: the official code is size-generic."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from benchmarks.torch_methods import imagenet_c_bar as official
-from pcsr_jax.data import corruptions_bar
+from pcsr_jax.data.generators import corruptions_bar
 from pcsr_jax.errors import UserError
 
 

@@ -30,7 +30,7 @@ class StandInDDA(dda.DDA):
   """DDA with `tiny.StandInUNet` for the UNet: `prepare` hands it to `DDA.prepare_with` instead of loading a
   checkpoint; everything else is DDA's."""
 
-  def check_inputs(self) -> None:
+  def check_inputs(self, model, params, batch_size) -> None:
     pass
 
   def prepare(self, model, params, rng, batch_size):
@@ -149,12 +149,50 @@ def test_dda_errors_are_one_line(tmp_path):
   with pytest.raises(UserError, match=r"^dda respacing 'ddim999': no integer stride"):
     dda.DDA(respacing="ddim999").prepare_with(model, params, unet, unet_params, META)
   with pytest.raises(UserError, match=r"^dda unet: needs a diffusion checkpoint; convert OpenAI"):
-    methods.get("dda").check_inputs()
+    methods.get("dda").check_inputs(model, params, 4)
   with pytest.raises(UserError, match=r"^dda unet: .*not a pcsr-jax checkpoint"):
-    methods.get("dda", unet=str(tmp_path / "nowhere")).check_inputs()
+    methods.get("dda", unet=str(tmp_path / "nowhere")).check_inputs(model, params, 4)
   vit = make_checkpoint(str(tmp_path / "vit"))
   with pytest.raises(UserError, match=r"^dda unet .*vit: a classifier checkpoint .*, not a diffusion model"):
-    methods.get("dda", unet=vit).check_inputs()
+    methods.get("dda", unet=vit).check_inputs(model, params, 4)
+
+
+def test_dda_inputs_are_checked_before_the_first_method_runs(tmp_path, capsys):
+  """A UNet that does not fit (D above its image size), a class-conditional one and one with damaged params are
+  each refused in one line once the checkpoint is loaded: Source, listed first, never ran (they were found only
+  when DDA came up, after Source's work)."""
+  import glob
+  import json
+  import shutil
+
+  from pcsr_jax import checkpoint
+  from pcsr_jax.experiments import imagenet_c
+  from pcsr_jax.models.unet import UNet, UNetConfig
+  from tiny import dda_unet
+
+  good = dda_unet(str(tmp_path / "unet"))
+  cond = UNetConfig(image_size=32, num_channels=32, channel_mult=(1, 2), num_res_blocks=1, attention_resolutions=(16,),
+                    out_channels=6, num_head_channels=16, class_cond=True)
+  x, t = jnp.zeros((1, 32, 32, 3)), jnp.zeros((1,), jnp.int32)
+  cond_params = jax.device_get(UNet(cond).init(jax.random.key(0), x, t, jnp.zeros((1,), jnp.int32))["params"])
+  class_cond = checkpoint.save(str(tmp_path / "cond"), cond_params, checkpoint.make_unet_meta(
+      cond, dict(diffusion_steps=1000, noise_schedule="linear", learn_sigma=True)))
+  damaged = str(tmp_path / "damaged")
+  shutil.copytree(good, damaged)
+  for p in glob.glob(f"{damaged}/params/**/d/*", recursive=True):
+    with open(p, "r+b") as f:
+      f.truncate(10)
+  for k, (args, match) in enumerate((
+      ({"unet": good, "D": 64, "respacing": "ddim4", "N": 2}, r"^dda D: expected at most the UNet's image size 32"),
+      ({"unet": class_cond, "respacing": "ddim4", "N": 2}, r"^dda unet .*cond: a class-conditional model"),
+      ({"unet": damaged, "respacing": "ddim4", "N": 2}, r"^dda unet: .*checkpoint params unreadable"))):
+    out = tmp_path / f"o{k}"
+    with pytest.raises(UserError, match=match) as e:
+      imagenet_c.main(["--methods", "source,dda", "--images", "8", "--corruptions", "fog", "--batch-size", "4",
+                       "--no-progress", "--output", str(out), "--method-args", json.dumps({"dda": args})])
+    assert "\n" not in str(e.value)
+    printed = capsys.readouterr().out
+    assert "source/seed2022" not in printed and not (out / "results.json").exists(), printed
 
 
 # ---------------------------------------------------------------- with guided-diffusion's UNet (pcsr_jax.models.unet)

@@ -1,21 +1,25 @@
 """DePT-G (`pcsr_jax.methods.dept`, `pcsr_jax.models.prompted`) and its source stage (`train_prompts`).
 
 Tiny models throughout: the prompt insertion against a plain re-statement, the kNN pseudo-labels, padding,
-the compiled step with a wrapping bank, the one-line errors, and the source stage's resume and determinism.
+the compiled step with a wrapping bank, the per-stage gradient clip, the one-line errors of `DePTG.check_inputs`
+for damaged or foreign inputs, and the source stage's resume and determinism.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import traverse_util
 
 import harness_fixtures as hf
-from pcsr_jax import engine, harness, methods
+from pcsr_jax import engine, files, harness, methods
 from pcsr_jax.errors import UserError
 from pcsr_jax.methods import dept
 from pcsr_jax.methods.base import split
@@ -162,7 +166,7 @@ def test_without_prompts_it_stops_with_one_line_that_says_how_to_make_them(tiny,
     engine.Adapter(methods.get("dept-g"), model, params, batch_size=4)
   assert "\n" not in str(e.value)
   with pytest.raises(UserError, match=rf"^dept-g prompts {tmp_path}: no record.json and params.npz there"):
-    methods.get("dept-g", prompts=str(tmp_path)).check_inputs()
+    methods.get("dept-g", prompts=str(tmp_path)).check_inputs(model, params, 4)
   other = tiny_model(seed=1)[1]  # prompts trained from another checkpoint
   with pytest.raises(UserError, match=r"trained from another checkpoint"):
     engine.Adapter(methods.get("dept-g", prompts=folder), model, other, batch_size=4)
@@ -177,6 +181,184 @@ def test_the_harness_refuses_before_any_work(tmp_path):
   with pytest.raises(UserError, match=r"^dept-g prompts: needs prompts"):
     harness.run(cfg, log=lambda *a: None)
   assert not (tmp_path / "o" / "results.json").exists()
+
+
+def test_the_harness_refuses_damaged_prompts_before_any_work(tmp_path):
+  """Prompts made for the run's checkpoint whose params.npz is then cut short: the run stops with
+  `DePTG.check_inputs`'s line once the checkpoint is loaded, before the earlier method (source) has run."""
+  from pcsr_jax import checkpoint
+
+  hf.make_world(tmp_path, ("fog",), classes=2, per_class=2)
+  model, params, _ = checkpoint.load(str(tmp_path / "ckpt"))
+  folder = dept_prompts(model, params, tmp_path / "prompts")
+  npz = os.path.join(folder, "params.npz")
+  data = open(npz, "rb").read()
+  with open(npz, "wb") as f:
+    f.write(data[: len(data) // 2])
+  cfg = harness.RunConfig(data=str(tmp_path / "data"), checkpoint=str(tmp_path / "ckpt"), output=str(tmp_path / "o"),
+                          corruptions=("fog",), seeds=(1,), batch_size=4, progress=False, methods=("source", "dept-g"),
+                          method_args={"dept-g": {"prompts": folder}})
+  lines = []
+  with pytest.raises(UserError, match=rf"^dept-g prompts {re.escape(npz)}: not a readable npz"):
+    harness.run(cfg, log=lambda *a: lines.append(" ".join(map(str, a))))
+  assert not [line for line in lines if ": accuracy" in line]  # no run finished: source did not run
+  assert not (tmp_path / "o" / "results.json").exists()
+
+
+def test_gradient_clip_scales_each_prompt_stage_by_its_own_norm():
+  """``utils.clip_gradients`` clips each ``prompt_list[i]`` on its own: in the stacked ``[S, P, D]`` prompts a
+  stage whose gradient norm is above the clip is scaled to it, one below stays bit for bit; the head is one
+  tensor; the DINO heads are not clipped. Clipped as one tensor (no ``stacked``), the small stage would shrink."""
+  rng = np.random.default_rng(0)
+  unit = lambda shape: (lambda a: a / np.linalg.norm(a))(rng.standard_normal(shape)).astype(np.float32)
+  stage_norms = np.array([4.0, 0.5, 2.0], np.float32)
+  prompts = np.stack([unit((2, 3)) * n for n in stage_norms])
+  grads = {"prompts": jnp.asarray(prompts), "head": {"kernel": jnp.asarray(unit((3, 2)) * 3.0)},
+           "dino_0": {"fc0": {"kernel": jnp.asarray(unit((3, 4)) * 5.0)}}}
+  out = dept.clip_per_tensor(grads, 1.0, dept.is_student_vit, dept.is_prompts)
+  p = np.asarray(out["prompts"])
+  for i in (0, 2):
+    np.testing.assert_allclose(p[i], prompts[i] / (stage_norms[i] + 1e-6), rtol=1e-6)
+    np.testing.assert_allclose(np.linalg.norm(p[i]), 1.0, rtol=1e-5)
+  np.testing.assert_array_equal(p[1], prompts[1])  # 0.5 < 1: untouched
+  np.testing.assert_allclose(np.linalg.norm(out["head"]["kernel"]), 1.0, rtol=1e-5)
+  np.testing.assert_array_equal(out["dino_0"]["fc0"]["kernel"], grads["dino_0"]["fc0"]["kernel"])
+  whole = np.asarray(dept.clip_per_tensor(grads, 1.0, dept.is_student_vit)["prompts"])
+  np.testing.assert_allclose(np.linalg.norm(whole), 1.0, rtol=1e-5)
+  assert np.linalg.norm(whole[1]) < 0.5 * 0.3  # one tensor: the small stage scaled by 1 / ||[4, 0.5, 2]|| too
+  assert dept.clip_per_tensor(grads, 0.0, dept.is_student_vit, dept.is_prompts) is grads  # 0: off
+
+
+def _copy_prompts(folder, tmp_path) -> str:
+  out = str(tmp_path / "prompts")
+  shutil.copytree(folder, out)
+  return out
+
+
+def _resave(folder, tmp_path, edit, prompt=None) -> str:
+  """The fixture's prompts and heads changed by ``edit`` (flat ``{name: array}`` in place), saved by
+  `dept.save_prompts` under the fixture's record (its checkpoint) and ``prompt`` (default: the fixture's prompt
+  config): a folder whose record and npz agree (SHA-256 included) but whose arrays are wrong for the model."""
+  pc, trained, record = dept.load_prompts(folder)
+  flat = {"/".join(k): np.array(v) for k, v in traverse_util.flatten_dict(trained).items()}
+  edit(flat)
+  out = str(tmp_path / "resaved")
+  shutil.rmtree(out, ignore_errors=True)
+  keep = {k: v for k, v in record.items() if k in ("checkpoint_sha256", "command")}
+  dept.save_prompts(out, traverse_util.unflatten_dict({tuple(k.split("/")): v for k, v in flat.items()}),
+                    prompt or pc, keep)
+  return out
+
+
+def _one_line_error(method, model, params, batch_size: int, pattern: str) -> None:
+  with pytest.raises(UserError, match=pattern) as e:
+    method.check_inputs(model, params, batch_size)
+  assert "\n" not in str(e.value)
+
+
+def test_check_inputs_accepts_the_built_in_prompts_and_the_fixtures(tiny):
+  """The committed prompts of the built-in model (assets/fmnist_vit_dept for assets/fmnist_vit) and the tiny
+  fixture's pass every check; the built-in ones refuse another checkpoint (the tiny model)."""
+  from pcsr_jax import checkpoint
+
+  model, params, folder = tiny
+  methods.get("dept-g", prompts=folder).check_inputs(model, params, 8)
+  root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
+  fm_model, fm_params, _ = checkpoint.load(os.path.join(root, "fmnist_vit"))
+  built_in = methods.get("dept-g", prompts=os.path.join(root, "fmnist_vit_dept"), queue_size=128)
+  built_in.check_inputs(fm_model, fm_params, 128)
+  _one_line_error(built_in, model, params, 8, r"trained from another checkpoint")
+
+
+def test_check_inputs_refuses_a_truncated_damaged_or_changed_npz(tiny, tmp_path):
+  """A params.npz cut in half does not open; one with 64 bytes zeroed in the middle (inside an array) fails the
+  zip's CRC-32 as it is read; one rewritten with a changed value (a valid npz) is not the one the record hashes;
+  one with an array of integers is no trained prompts. The same checks stop `prepare` (the engine's)."""
+  model, params, folder = tiny
+  bad = _copy_prompts(folder, tmp_path)
+  npz = os.path.join(bad, "params.npz")
+  method = methods.get("dept-g", prompts=bad)
+  data = open(npz, "rb").read()
+  with open(npz, "wb") as f:
+    f.write(data[: len(data) // 2])
+  _one_line_error(method, model, params, 8, rf"^dept-g prompts {re.escape(npz)}: not a readable npz, damaged or "
+                                            r"cut short \(BadZipFile: .*\); train them again$")
+  with pytest.raises(UserError, match=r"not a readable npz"):
+    engine.Adapter(method, model, params, batch_size=8)
+  middle = len(data) // 2
+  with open(npz, "wb") as f:
+    f.write(data[:middle] + bytes(64) + data[middle + 64:])
+  _one_line_error(method, model, params, 8, rf"^dept-g prompts {re.escape(npz)}: not a readable npz, damaged or "
+                                            r"cut short \(BadZipFile: Bad CRC-32 for file '[\w/.]+'\)")
+  arrays = {"/".join(k): np.asarray(v) for k, v in traverse_util.flatten_dict(dept.load_prompts(folder)[1]).items()}
+  arrays["prompts"] = arrays["prompts"] + 1.0
+  np.savez(npz, **arrays)
+  _one_line_error(method, model, params, 8, rf"^dept-g prompts {re.escape(npz)}: its SHA-256 is not the one "
+                                            r"record.json records \(changed or damaged\); train them again$")
+  arrays["prompts"] = arrays["prompts"].astype(np.int32)
+  np.savez(npz, **arrays)
+  record = json.loads(open(os.path.join(bad, "record.json")).read())
+  record["params_npz_sha256"] = files.sha256(npz)
+  files.write_json(os.path.join(bad, "record.json"), record)
+  _one_line_error(method, model, params, 8, rf"^dept-g prompts {re.escape(npz)}: prompts holds int32, expected "
+                                            r"float32; train them again$")
+
+
+def test_check_inputs_refuses_arrays_the_model_cannot_take(tiny, tmp_path):
+  """Record and npz agree (the SHA-256 too), but the arrays do not fit: another prompt count or stage count than
+  the record's prompt config, a missing DINO head, a head of another shape, a non-finite value, a key that is no
+  param, a backbone param of another shape; and a record whose stage count does not divide the model's depth.
+  Each: one line naming the file and what was expected, from ``check_inputs`` (nothing adapted or compiled)."""
+  model, params, folder = tiny
+  d = model.config.embed_dim
+
+  def case(edit, pattern, prompt=None):
+    out = _resave(folder, tmp_path, edit, prompt)
+    _one_line_error(methods.get("dept-g", prompts=out), model, params, 8, pattern)
+
+  def prompts_of(shape):
+    def edit(flat):
+      flat["prompts"] = np.full(shape, 0.1, np.float32)
+    return edit
+
+  def without_dino_1(flat):
+    for k in [k for k in flat if k.startswith("dino_1/")]:
+      del flat[k]
+
+  def with_nan(flat):
+    flat["prompts"][1, 2, 3] = np.nan
+
+  case(prompts_of((2, 5, d)), rf"params.npz: prompts has shape \(2, 5, {d}\), expected \(2, 3, {d}\) for 2 stages x "
+                              rf"3 prompts of this model's {d} dims \(record.json's prompt_config\)$")
+  case(prompts_of((1, 3, d)), rf"params.npz: prompts has shape \(1, 3, {d}\), expected \(2, 3, {d}\) for 2 stages")
+  case(without_dino_1, r"params.npz: no dino_1/\w+/\w+, expected one of shape \(\d+,( \d+)?\) for 2 stages x 3 "
+                       r"prompts")
+  case(lambda flat: flat.update({"head/kernel": np.zeros((d, 7), np.float32)}),
+       rf"params.npz: head/kernel has shape \({d}, 7\), expected \({d}, 10\)")
+  case(with_nan, r"params.npz: prompts holds 1 non-finite values, expected all finite; train them again$")
+  case(lambda flat: flat.update({"extra/kernel": np.zeros(3, np.float32)}),
+       r"params.npz: extra/kernel is no param of this model")
+  case(lambda flat: flat.update({"blocks_0/attn/qkv/kernel": np.zeros((d, 5), np.float32)}),
+       rf"params.npz: blocks_0/attn/qkv/kernel has shape \({d}, 5\), expected the checkpoint's \({d}, {3 * d}\)$")
+  three = prompted.PromptConfig(stages=3, prompts=3, dino_hidden=16, dino_bottleneck=8, dino_out=12)
+  case(lambda flat: None, r"stages: expected a divisor of the model's 2 blocks, got 3$", prompt=three)
+
+
+def test_check_inputs_refuses_another_checkpoints_prompts_and_a_small_queue(tiny, tmp_path):
+  """A record naming another checkpoint's params digest, and a kNN bank smaller than the batch: one line each
+  from ``check_inputs``; a bank of exactly the batch passes."""
+  model, params, folder = tiny
+  other = _copy_prompts(folder, tmp_path)
+  path = os.path.join(other, "record.json")
+  record = json.loads(open(path).read())
+  record["checkpoint_sha256"] = "0" * 64
+  files.write_json(path, record)
+  _one_line_error(methods.get("dept-g", prompts=other), model, params, 8,
+                  rf"^dept-g prompts {re.escape(other)}: trained from another checkpoint \(its record.json's "
+                  r"checkpoint_sha256 differs from this checkpoint's params\); train them first")
+  _one_line_error(methods.get("dept-g", prompts=folder, queue_size=7, num_neighbors=3), model, params, 8,
+                  r"^dept-g queue_size: expected at least the batch size \(8\), got 7$")
+  methods.get("dept-g", prompts=folder, queue_size=8, num_neighbors=3).check_inputs(model, params, 8)
 
 
 # ---------------------------------------------------------------- the source stage

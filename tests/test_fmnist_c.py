@@ -15,7 +15,8 @@ import pytest
 
 import float_checks
 from pcsr_jax import checkpoint, harness
-from pcsr_jax.data import corruptions, fashion_mnist, fmnist_c, transforms
+from pcsr_jax.data import fashion_mnist, transforms
+from pcsr_jax.data.generators import corruptions, fmnist_c
 from pcsr_jax.errors import UserError
 from pcsr_jax.experiments import builtin, train_source, tune_builtin
 
@@ -206,3 +207,17 @@ def test_cotta_views_fire_on_brightness_and_cost_accuracy_on_the_first_batch(cap
   fired, acc_source, acc_views = fields[3], float(fields[4]), float(fields[5])
   assert fired == "1/1", row
   assert acc_views < acc_source - 10, row
+
+
+def test_bad_seed_or_severity_is_refused_before_anything_is_generated(tmp_path, test_set):
+  """A negative seed named a cache folder and failed in every image's SeedSequence; a severity below the
+  minimum failed midway through generating (shot noise's ``lam value too large`` at 1e-300)."""
+  clean = test_set[0][:8]
+  for bad in (-1, 2**32):
+    with pytest.raises(UserError, match=rf"^--corruption-seed: expected an integer from 0 to 4294967295, got {bad}$"):
+      fmnist_c.Store(clean, str(tmp_path), seed=bad)
+  logs = []
+  store = fmnist_c.Store(clean, str(tmp_path), seed=0, log=logs.append)
+  with pytest.raises(UserError, match=r"^severity 1e-300: expected 0 \(the clean image\) or a number from 0\.01"):
+    store.get_many([("fog", 3), ("shot_noise", 1e-300)], 4, progress=False)
+  assert logs == [] and not os.path.exists(store.dir)

@@ -1,4 +1,4 @@
-"""ImageNet-C generated in the stream (pcsr_jax.data.generated): the release's crop and JPEG step, and, for the
+"""ImageNet-C generated in the stream (data.generators.generated): the release's crop and JPEG step, and, for the
 corruptions without randomness, the same pixels as a folder written the release's way and read by the harness's
 folder path; per-image keys for the random ones."""
 
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pcsr_jax.data import generated, sources, transforms
+from pcsr_jax.data import sources, transforms
+from pcsr_jax.data.generators import generated
 from pcsr_jax.errors import UserError
 
 DETERMINISTIC = ("brightness", "contrast", "defocus_blur", "zoom_blur", "pixelate", "jpeg_compression")
@@ -118,3 +119,20 @@ def test_corrupted_source_is_a_source(clean_root):
     generated.CorruptedSource(clean, "rain", 3)
   with pytest.raises(UserError, match="severity 6: expected a number from 0 to 5"):
     generated.CorruptedSource(clean, "fog", 6)
+
+
+def test_bad_seeds_and_too_small_severities_are_refused_by_the_sources(clean_root):
+  """One line at construction, before any image: a negative seed made numpy's SeedSequence raise in every
+  image's corruption, which the loader counted as unreadable images ("no image ... was evaluated (80
+  unreadable)"); a severity below the minimum made noise (the device) or a ValueError (the host)."""
+  clean = sources.FolderSource(clean_root)
+  for kind in (generated.CorruptedSource, generated.CleanCrops):
+    for bad in (-1, 2**32, 1.5):
+      with pytest.raises(UserError, match=rf"^--corruption-seed: expected an integer from 0 to 4294967295, got "
+                                          rf"{bad}$"):
+        kind(clean, "gaussian_noise", 3, seed=bad)
+    with pytest.raises(UserError, match=r"expected .*0\.01.* 5"):
+      kind(clean, "shot_noise", 1e-10)
+    assert kind(clean, "gaussian_noise", 3, seed=2**32 - 1).seed == 2**32 - 1
+  with pytest.raises(UserError, match="^--corruption-seed"):  # ImageNet-C-bar's corruptions too
+    generated.CorruptedSource(clean, "blue_noise_sample", 2, seed=-3)

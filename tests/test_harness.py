@@ -320,6 +320,31 @@ def test_progress_is_one_line_per_segment_without_a_terminal(world, tmp_path):
   assert "running accuracy" in seg[0] and "over 20 images" in seg[0] and "over 40 images" in seg[1]
 
 
+def test_the_log_file_the_domain_lines_the_minute_lines_and_the_table_caption(world, tmp_path, monkeypatch):
+  """Every line the run logs is also in <output>/log.txt; each domain's line gives its own accuracy (the record's)
+  and the running one; without a terminal a progress line comes at least every `runlog.LINE_EVERY_S` (0 here:
+  every batch); table.md says what its numbers are. A resumed run appends to the log."""
+  from pcsr_jax import runlog
+
+  monkeypatch.setattr(runlog, "LINE_EVERY_S", 0.0)
+  lines = []
+  res = harness.run(cfg(world, tmp_path, methods=("source",), progress=True, batch_size=4), log=lines.append)
+  logged = (tmp_path / "log.txt").read_text()
+  assert logged == "".join(f"{line}\n" for line in lines)
+  for rec in res["records"]:
+    c = rec["corruption"]
+    line = next(l for l in lines if l.startswith(f"source/seed1 {c}:"))
+    assert f"accuracy {100 * rec['accuracy']:.1f}% on {c} (20 images); running accuracy" in line, line
+  batch_lines = [l for l in lines if l.startswith("source/seed1: batch ")]
+  assert [l.split(" (")[0] for l in batch_lines] == [f"source/seed1: batch {k} of 10" for k in range(1, 11)]
+  caption = (tmp_path / "table.md").read_text().split("\n")[0]
+  assert caption.startswith("Online accuracy (%) of each method on each domain and their average (severity 5, "
+                            "setting normal), mean ± std over seed 1; 20 images per domain")
+  harness.run(cfg(world, tmp_path, methods=("source",), resume=True), log=lambda *a: None)
+  again = (tmp_path / "log.txt").read_text()
+  assert again.startswith(logged) and len(again) > len(logged)
+
+
 def test_unit_progress_json_round_trip():
   u = progress.UnitProgress(key="sar/seed1", segment=1, batch=3, seen=40, correct=7, skipped=1, seconds=0.5,
                            total_seconds=2.0, counts={"fog": [1, 2, 1, 2]}, preds={"fog": [["a"], [1], [1]]})
@@ -334,17 +359,18 @@ def test_unit_progress_json_round_trip():
 def test_auto_loader_takes_processes_only_on_an_accelerator_host_with_cores_and_picklable_sources(monkeypatch):
   import threading
 
+  from pcsr_jax import run_setup
   from pcsr_jax.data.loader import Loader
 
   data, locked = Loader([list(range(4))], abs, 4), Loader([threading.Lock()], abs, 4)
-  assert harness.loader_kind("threads", data) == "threads"
-  assert harness.loader_kind("processes", data) == "processes"
-  assert jax.default_backend() == "cpu" and harness.loader_kind("auto", data) == "threads"
+  assert run_setup.loader_kind("threads", data) == "threads"
+  assert run_setup.loader_kind("processes", data) == "processes"
+  assert jax.default_backend() == "cpu" and run_setup.loader_kind("auto", data) == "threads"
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  monkeypatch.setattr(harness.os, "cpu_count", lambda: 16)
-  assert harness.loader_kind("auto", data) == "processes"
-  assert harness.loader_kind("auto", locked) == "threads"  # cannot reach a worker
-  monkeypatch.setattr(harness.os, "cpu_count", lambda: 4)
-  assert harness.loader_kind("auto", data) == "threads"
+  monkeypatch.setattr(run_setup.os, "cpu_count", lambda: 16)
+  assert run_setup.loader_kind("auto", data) == "processes"
+  assert run_setup.loader_kind("auto", locked) == "threads"  # cannot reach a worker
+  monkeypatch.setattr(run_setup.os, "cpu_count", lambda: 4)
+  assert run_setup.loader_kind("auto", data) == "threads"
   with pytest.raises(UserError, match="--loader: expected threads, processes or auto, got 'fast'"):
     harness.RunConfig(data="x", checkpoint="y", output="z", loader="fast").validate()

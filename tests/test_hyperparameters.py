@@ -1,4 +1,4 @@
-"""Every method's hyperparameter ranges (`pcsr_jax.methods.base.field`): each numeric or string field of every
+"""Every method's hyperparameter ranges (`pcsr_jax.methods.hyperparameters.field`): each numeric or string field of every
 registered method declares what it accepts, its defaults pass, and a value outside the declared range is refused
 in one line by `methods.get` and by direct construction alike, before any work. Plus the cases that got through or
 crashed before the rule was one."""
@@ -13,7 +13,7 @@ import pytest
 
 from pcsr_jax import engine, methods
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods import base
+from pcsr_jax.methods import hyperparameters
 from tiny import tiny_model
 
 
@@ -28,15 +28,15 @@ def bare_type(t):
 def test_every_numeric_or_string_field_declares_its_range_and_the_defaults_pass(name):
   cls, overrides = methods.REGISTRY[name]
   hints = typing.get_type_hints(cls)
-  declared = {s.name for s in base.specs(cls)}
+  declared = {s.name for s in hyperparameters.specs(cls)}
   for f in dataclasses.fields(cls):
     if bare_type(hints[f.name]) in (int, float, str):
-      assert f.name in declared, f"{name} {f.name}: declare its range with base.field"
+      assert f.name in declared, f"{name} {f.name}: declare its range with hyperparameters.field"
   methods.get(name)
   cls(**overrides)
 
 
-def out_of_range(spec: base.Spec) -> list:
+def out_of_range(spec: hyperparameters.Spec) -> list:
   """Values outside what ``spec`` accepts: past each end of its range, non-finite, of the wrong kind or size."""
   if isinstance(spec.check, tuple):
     bad = ["no-such-choice"]
@@ -56,7 +56,7 @@ def out_of_range(spec: base.Spec) -> list:
   return bad
 
 
-CASES = [(name, spec, value) for name, (cls, _) in methods.REGISTRY.items() for spec in base.specs(cls)
+CASES = [(name, spec, value) for name, (cls, _) in methods.REGISTRY.items() for spec in hyperparameters.specs(cls)
          for value in out_of_range(spec)]
 
 

@@ -173,17 +173,78 @@ class _CountsPickling:
 
 
 def test_auto_loader_and_workers_pickle_the_sources_once(folder, monkeypatch):
-  from pcsr_jax import harness
+  from pcsr_jax import run_setup
 
-  monkeypatch.setattr(harness.jax, "default_backend", lambda: "gpu")  # the rule under `auto` is what is tested
-  monkeypatch.setattr(harness.os, "cpu_count", lambda: 16)
+  monkeypatch.setattr(run_setup.jax, "default_backend", lambda: "gpu")  # the rule under `auto` is what is tested
+  monkeypatch.setattr(run_setup.os, "cpu_count", lambda: 16)
   pre = transforms.Preprocess(32, (0.5,) * 3, (0.5,) * 3, crop_only=True).to_uint8
   ld = loader.Loader([_CountsPickling(folder)], pre, batch_size=8, workers=2)
   try:
-    assert harness.loader_kind("auto", ld) == "processes" and _CountsPickling.pickled == 1
+    assert run_setup.loader_kind("auto", ld) == "processes" and _CountsPickling.pickled == 1
     ld.processes = True
     ld.start_workers()
     assert sum(len(b.labels) for b in ld.batches(np.zeros(16, int), np.arange(16))) == 15  # 7th truncated
     assert _CountsPickling.pickled == 1
   finally:
     ld.close()
+
+
+class _FailingCorruption:
+  """A generated source's shape: the clean image read (an unreadable one raises `sources.Unreadable`), then a
+  corruption step that fails on item 3 as numpy's Poisson did at severity 1e-300. Module-level: worker
+  processes unpickle it."""
+
+  def __init__(self, src):
+    self.src, self.labels, self.names = src, src.labels, src.names
+
+  def __len__(self):
+    return len(self.src)
+
+  def load(self, i):
+    img = self.src.load(i)
+    if i == 3:
+      raise ValueError("lam value too large")
+    return img
+
+
+@pytest.mark.parametrize("processes", [False, True])
+def test_a_failing_corruption_is_raised_not_counted_as_unreadable(folder, processes):
+  """Before, every exception of ``load`` + preprocess counted as an unreadable image, so a corruption's failure
+  (a bad seed, ``lam value too large``) ended runs with "no image ... was evaluated (80 unreadable)"."""
+  with pytest.raises(ValueError, match="^lam value too large$"):
+    _batches(_FailingCorruption(folder), processes)
+
+
+def test_generated_source_counts_unreadable_clean_files_and_raises_corruption_failures(folder, monkeypatch):
+  from pcsr_jax.data.generators import corruptions, generated
+
+  src = generated.CorruptedSource(folder, "contrast", 3)
+  out = _batches(src, False)
+  assert [n for b in out for n in b.skipped] == [folder.names[6]] and sum(len(b.labels) for b in out) == 39
+
+  def broken(x, c):
+    raise ValueError("expected non-negative integer")  # SeedSequence's message for a negative seed
+
+  monkeypatch.setitem(corruptions.FUNCTIONS["imagenet"], "contrast", broken)
+  with pytest.raises(ValueError, match="^expected non-negative integer$"):
+    _batches(src, False)
+
+
+def test_only_read_and_decode_failures_are_unreadable(folder, tmp_path):
+  """`sources.read_image` / `decode_image`: a missing, truncated, non-image or non-regular file is `Unreadable`
+  (naming the file); a readable one loads."""
+  assert sources.read_image(folder.paths[0]).size == (32, 32)
+  garbage = tmp_path / "garbage.JPEG"
+  garbage.write_bytes(b"not an image at all")
+  fifo = tmp_path / "fifo.JPEG"
+  os.mkfifo(fifo)
+  for path in (folder.paths[6], str(garbage), str(tmp_path / "missing.JPEG"), str(fifo), str(tmp_path)):
+    with pytest.raises(sources.Unreadable, match=f"^{path}: "):
+      sources.read_image(path)
+  with pytest.raises(sources.Unreadable, match="^record 7: UnidentifiedImageError"):
+    sources.decode_image(b"\x89PNG broken", "record 7")
+  with open(folder.paths[0], "rb") as f:
+    data = f.read()
+  assert sources.decode_image(data, "x").size == (32, 32)
+  with pytest.raises(sources.Unreadable, match="^record 8: OSError: image file is truncated"):
+    sources.decode_image(data[:len(data) // 2], "record 8")

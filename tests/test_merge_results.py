@@ -114,14 +114,14 @@ def test_runs_of_other_seeds_merge_unit_by_unit_and_a_method_with_fewer_seeds_sa
 
 
 def test_partial_takes_only_the_finished_units_of_a_run_under_way(run, tmp_path):
-  from pcsr_jax import harness, progress
+  from pcsr_jax import progress
 
   data, table = run
   out = tmp_path / "under_way" / "resume"
   out.mkdir(parents=True)
   # What the harness saves mid-run: every record so far (tent seed 1's first corruption among them), done units.
   started = [r for r in data["records"] if r["method"] == "source" or (r["seed"], r["corruption"]) == (1, CORR[0])]
-  prog = progress.RunProgress(config_key=harness._config_key(data["config"], "digest"), records=started,
+  prog = progress.RunProgress(config_key=progress.config_key(data["config"], "digest"), records=started,
                               done=["source/seed1", "source/seed2"],
                               throughput={k: v for k, v in data["throughput"].items() if k.startswith("source/")})
   (out / "progress.json").write_text(json.dumps(prog.to_json()))

@@ -305,7 +305,7 @@ def test_method_owned_state_is_carried_and_round_trips():
   host round trip the harness checkpoints through, bit for bit."""
   assert run(methods.get("tent"), n=1)[1].extra is None
   ad, state, _, out = run(methods.get("sar", skip_blocks=()), n=3)
-  assert isinstance(state.extra, methods.base.Recovery) and bool(state.extra.valid)
+  assert isinstance(state.extra, methods.optimizers.Recovery) and bool(state.extra.valid)
   np.testing.assert_allclose(float(state.extra.ema), float(out[-1][2]["ema"]), rtol=0)
   host = ad.state_to_host(state)
   back = ad.state_to_host(ad.state_from_host(host))
@@ -313,4 +313,4 @@ def test_method_owned_state_is_carried_and_round_trips():
   for a, b in zip(_leaves(back), _leaves(host)):
     np.testing.assert_array_equal(a, b)
   assert run(methods.get("pcsr-frozen"), n=1)[1].extra is None
-  assert isinstance(run(methods.get("pcsr-frozen", reset=True), n=1)[1].extra, methods.base.Recovery)
+  assert isinstance(run(methods.get("pcsr-frozen", reset=True), n=1)[1].extra, methods.optimizers.Recovery)

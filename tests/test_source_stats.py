@@ -14,7 +14,7 @@ import pytest
 import tiny
 from pcsr_jax import files, source_stats
 from pcsr_jax.data import transforms
-from pcsr_jax.data.fmnist_c import ArraySource
+from pcsr_jax.data.generators.fmnist_c import ArraySource
 from pcsr_jax.errors import UserError
 from pcsr_jax.methods.source import Source
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import jax
 import numpy as np
@@ -86,13 +87,63 @@ def test_resume_refuses_another_run_and_a_damaged_state(tmp_path):
 @pytest.mark.parametrize("flag, value, match", [
     ("--steps", "0", "--steps: expected a positive integer"),
     ("--ema-rate", "1", "--ema-rate: expected a value in"),
+    ("--ema-rate", "nan", "--ema-rate: expected a value in"),
     ("--eval-images", "0", "--eval-images: expected a positive integer"),
     ("--channel-mult", "1,x", "--channel-mult: expected comma-separated numbers"),
+    ("--channel-mult", "1,nan", "--channel-mult: expected comma-separated numbers > 0"),
+    ("--attention-resolutions", "0", "--attention-resolutions: expected comma-separated numbers > 0"),
+    ("--attention-resolutions", "7", r"--attention-resolutions: \[7\] px is not a resolution of this UNet \(its "
+                                     r"levels: \[32, 16, 8\] px"),
     ("--num-channels", "48", "not a multiple of 32"),
+    ("--seed", "-1", r"--seed: expected an integer in \[0, 4294967295\], got -1"),
+    ("--seed", str(2 ** 32), r"--seed: expected an integer in \[0, 4294967295\], got 4294967296"),
+    ("--lr", "inf", "--lr: expected a number > 0, got inf"),
+    ("--batch-size", "100", "--batch-size 100: more than the 64 training images"),
 ])
-def test_bad_flags_are_one_line_errors(tmp_path, flag, value, match):
+def test_bad_flags_are_one_line_errors(tmp_path, capsys, flag, value, match):
+  """Each before a step is taken (the run's first line, the UNet's size, is not printed)."""
   with pytest.raises(UserError, match=match):
-    train_ddpm.main(["--out", str(tmp_path / "o"), flag, value])
+    train_ddpm.main(["--out", str(tmp_path / "o"), "--train-limit", "64", flag, value])
+  assert "train_ddpm: UNet" not in capsys.readouterr().out and not (tmp_path / "o").exists()
+
+
+def test_out_that_is_a_file_or_under_one_is_refused_before_training(tmp_path, capsys):
+  """The model is written next to --out and renamed over it: a file in the way would be found only after
+  training (a `NotADirectoryError`); refused first, in one line, with nothing made."""
+  f = tmp_path / "file"
+  f.write_text("x")
+  for out, match in ((f, "exists and is not a directory"), (f / "sub", f"{f} exists and is not a directory")):
+    with pytest.raises(UserError, match=f"^--out {re.escape(str(out))}: {re.escape(match)}$"):
+      _train(out)
+  assert capsys.readouterr().out == "" and f.read_text() == "x"
+
+
+@pytest.mark.slow
+def test_a_diverging_run_stops_at_its_first_non_finite_loss(tmp_path):
+  """--lr 1e30: AdamW's first update moves every weight by ~1e30, so step 2's loss is not finite: one line
+  naming step 2 and --lr, no model or record written, and the state saved for --resume is step 1's."""
+  with pytest.raises(UserError, match=r"^training diverged at step 2: non-finite loss \((nan|inf)\); nothing was "
+                                      r"written as finished; try a lower --lr than 1e\+30$"):
+    _train(tmp_path / "o", "--lr", "1e30", "--checkpoint-every", "1")
+  assert sorted(os.listdir(tmp_path / "o")) == ["resume"]
+  assert json.loads((tmp_path / "o" / "resume" / "state.json").read_text())["step"] == 1
+
+
+@pytest.mark.slow
+def test_resume_before_the_saved_step_is_refused(tmp_path):
+  """--steps 6 --stop-after 5, then --resume --steps 2: the saved state holds 5 steps, so finishing would write
+  a model of 5 steps recorded (and reproduced) as 2: refused in one line naming both, nothing finished.
+  --resume --steps 5 then finishes at once, recorded as 5 steps, its curve ending at step 5."""
+  _train(tmp_path / "r", "--steps", "6", "--stop-after", "5")
+  with pytest.raises(UserError, match=r"^--steps 2: the saved state in .*resume is at step 5, after it; resume with "
+                                      r"--steps 5 or more"):
+    _train(tmp_path / "r", "--resume", "--steps", "2")
+  assert not (tmp_path / "r" / "record.json").exists()
+  _train(tmp_path / "r", "--resume", "--steps", "5")
+  rec = json.loads((tmp_path / "r" / "record.json").read_text())
+  assert rec["steps"] == 5 and rec["command"].endswith("--steps 5")
+  assert [h["step"] for h in rec["history"]] == [2, 4, 5]
+  assert [(x["start_step"], x["end_step"]) for x in rec["sessions"]] == [(0, 5), (5, 5)]
 
 
 def test_reproducing_command_drops_the_session_flags():
@@ -141,8 +192,9 @@ def test_the_asset_denoises_held_out_images(asset):
 def test_builtin_runs_dda_with_the_asset_at_the_official_noise_level():
   """The built-in run's DDA: the committed UNet, 8 steps from t = 504 (the official 505) and 64 images per
   corruption by default; --full the official 100 / 50 (t = 505, 50 steps) on the same UNet."""
-  from pcsr_jax import diffusion, methods
+  from pcsr_jax import checkpoint, diffusion, methods
 
+  model, params, _ = checkpoint.load(builtin.CHECKPOINT)
   assert builtin.default_images(builtin.METHODS) == builtin.DEFAULT_IMAGES
   assert builtin.default_images(("source", "dda")) == 64
   quick, full = builtin.frozen_method_args(("dda",))["dda"], builtin.frozen_method_args(("dda",), full=True)["dda"]
@@ -150,6 +202,6 @@ def test_builtin_runs_dda_with_the_asset_at_the_official_noise_level():
   assert full == {"unet": ASSET, "respacing": "100", "N": 50}
   for args, t in ((quick, 504), (full, 505)):
     m = methods.get("dda", **args)
-    m.check_inputs()
+    m.check_inputs(model, params, builtin.BATCH_SIZE)
     assert (m.D, m.scale) == (4, 6.0)
     assert diffusion.make_schedule(1000, "linear", m.respacing).timestep_map[m.N] == t

@@ -1,7 +1,7 @@
 """CCC's walk search as its official code runs it (``oripress/CCC:generate.py``, ``find_path`` and
 ``traverse_graph``): a memoized recursion over the accuracy matrix, dictionaries of costs and paths keyed by
 cell. Plain Python and numpy (no torch is involved); it lives with the other references so that
-`pcsr_jax.data.ccc.find_path`, an iterative rewrite, can be checked against it.
+`pcsr_jax.data.generators.ccc.find_path`, an iterative rewrite, can be checked against it.
 
 Kept as there: the start cells (i, 0) for i >= 1, the moves (i - 1, j) and (i, j + 1), the cost past the last
 column (9999999999999 on a path of length 1), the strict ``<`` in both comparisons (a tie between the moves

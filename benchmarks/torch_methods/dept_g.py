@@ -20,7 +20,8 @@ From the official files:
   pseudo-labels from the 10 nearest bank features by cosine (``distances.sort()``), averaging the bank's
   probabilities, the ``DePTDino`` forward on the two strong views, CE + 0.1 DINO-CLS + 0.1 prompt consistency +
   1.0 diversity (``div``) + 0.05 prompt diversity (the VisDA-C script's weights), per-tensor clipping of the
-  student's gradients at 1.0 (``clip_gradients(model.student, ...)``: the DINO heads' are not clipped), SGD
+  student's gradients at 1.0 (``clip_gradients(model.student, ...)``: each stage's prompt tensor on its own, the
+  DINO heads' not at all), SGD
   Nesterov (momentum 0.9, wd 1e-4, lr 5e-3) over the prompts, the classifier head and the student heads
   (``get_prompt_params``), then the teacher's weak-view outputs written into the bank.
 * `source_loss` is ``source.py``'s ``train_epoch`` loss on one batch: the EMA, the DePTDino forward on the two
@@ -250,13 +251,15 @@ def smoothed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, num_class
   return (-targets * log_probs).sum(dim=1).mean()
 
 
-def clip_gradients(model: nn.Module, clip: float) -> list[float]:
-  """``utils.clip_gradients``: each gradient tensor scaled to norm ``clip`` if above (per tensor)."""
-  norms = []
-  for p in model.parameters():
+def clip_gradients(model: nn.Module, clip: float) -> dict[str, float]:
+  """``utils.clip_gradients``: each gradient tensor scaled to norm ``clip`` if above (per tensor: each stage's
+  prompts, ``prompt_list.<i>``, on their own). Returns each tensor's norm before clipping by its name (the
+  official returns the list of norms; the names tell the tests which tensors were clipped)."""
+  norms = {}
+  for name, p in model.named_parameters():
     if p.grad is not None:
       norm = p.grad.data.norm(2)
-      norms.append(norm.item())
+      norms[name] = norm.item()
       coef = clip / (norm + 1e-6)
       if coef < 1:
         p.grad.data.mul_(coef)
@@ -431,7 +434,7 @@ class Reference:
             + w["lam"] * prompt_div)
     self.optimizer.zero_grad()
     loss.backward()
-    self.last_grad_norms = clip_gradients(dino.student, self.clip_grad) if self.clip_grad else []
+    self.last_grad_norms = clip_gradients(dino.student, self.clip_grad) if self.clip_grad else {}
     self.optimizer.step()
     with torch.no_grad():
       feats_t, logits_t, _ = dino.teacher(weak, return_feats=True)

@@ -6,13 +6,13 @@ corruption with the official ``name``, ``sample_parameters()`` drawing from nump
 official order, and ``transform(image, **params)`` evaluating the official per-pixel kernels in Python loops.
 ``Transform(severity, im_size)(image)`` samples, then transforms, as the official base class does; ``severity``
 is the csv level (``CSV``), not 1..5. It is slow (seconds per 224 px image): it is the ground truth that
-`pcsr_jax.data.corruptions_bar` is tested against, on small images.
+`pcsr_jax.data.generators.corruptions_bar` is tested against, on small images.
 
 The arithmetic and the random draws are the official ones, operation for operation. Restructured only: the
 kernels that the official repeats (the Fourier noise of BlueNoiseSample and BrownishNoise, the sparkle kernel
 of Sparkles and InverseSparkles) are shared functions, the per-pixel loops go through ``Transform.pixels``,
 and ``PerlinNoiseGenerator.s_curve`` is a staticmethod (the official calls it through the class).
-The release ran NumPy 1.19; this runs on the installed NumPy (see `pcsr_jax.data.corruptions_bar` for what
+The release ran NumPy 1.19; this runs on the installed NumPy (see `pcsr_jax.data.generators.corruptions_bar` for what
 that changes).
 """
 

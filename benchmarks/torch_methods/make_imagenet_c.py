@@ -1,10 +1,10 @@
 """The release's ImageNet-C pipeline for its six corruptions without randomness, as a reference.
 
 Written from ``hendrycks/robustness:ImageNet-C/create_c/make_imagenet_c.py`` (``DistortImageFolder`` and the
-distortion functions), not from `pcsr_jax.data.corruptions`: torchvision's ``Resize(256)`` +
+distortion functions), not from `pcsr_jax.data.generators.corruptions`: torchvision's ``Resize(256)`` +
 ``CenterCrop(224)`` on the PIL image, the corruption at ImageNet strength, ``np.uint8``, a PIL JPEG save at
 quality 85 with ``optimize=True``, into ``<out_root>/<corruption>/<severity>/<wnid>/<file name>``. Tests
-check that `pcsr_jax.data.generated.CorruptedSource` streams exactly what this folder holds.
+check that `pcsr_jax.data.generators.generated.CorruptedSource` streams exactly what this folder holds.
 
 Changes to run on today's libraries, none of them numeric: scikit-image's ``multichannel=True`` is
 ``channel_axis=-1``; the distortion takes the transformed PIL image as the release's does; classes and files

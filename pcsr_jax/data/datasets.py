@@ -16,7 +16,8 @@ from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
-from pcsr_jax.data import corruptions, corruptions_bar, imagenet, sources, transforms
+from pcsr_jax.data import imagenet, sources, transforms
+from pcsr_jax.data.generators import corruptions, corruptions_bar
 from pcsr_jax.errors import UserError
 
 Domains = list  # [(domain name, source)]
@@ -69,7 +70,7 @@ def _data_dir(cfg) -> str:
 
 def _open_imagenet_c(cfg, log) -> Domains:
   if cfg.clean_data:  # generated in the stream from clean images, the release's way
-    from pcsr_jax.data import generated
+    from pcsr_jax.data.generators import generated
 
     clean = sources.open_images(cfg.clean_data, "--clean-data", cfg.tfds_data_dir)
     kind = generated.CleanCrops if cfg.corrupt_on == "device" else generated.CorruptedSource
@@ -89,7 +90,7 @@ def _severity_dir(corruption: str, severity: int) -> str:
 
 
 def _open_fmnist_c(cfg, log) -> Domains:
-  from pcsr_jax.data import fmnist_c
+  from pcsr_jax.data.generators import fmnist_c
 
   return fmnist_c.sources(cfg.corruptions, cfg.severity, cfg.images_per_corruption or 10000, cfg.fmnist_dir,
                           cfg.cache_dir, cfg.corruption_seed, progress=cfg.progress, log=log)

@@ -1,8 +1,10 @@
 """Parallel decoding with prefetch: threads or worker processes decode and preprocess ahead of the step.
 
 ``prefetch`` batches are in flight while the accelerator runs the current step, so the step does not wait on
-decoding unless decoding is the bottleneck. An unreadable or truncated image is skipped and counted
-(`Batch.skipped`), and the stream goes on.
+decoding unless decoding is the bottleneck. An unreadable or truncated image -- a source's ``load`` raising
+`sources.Unreadable` -- is skipped and counted (`Batch.skipped`), and the stream goes on. Anything else raised
+while loading or preprocessing an image (a generated source's corruption failing, a bad seed, a bug) is not an
+unreadable image: it ends the stream as the error it is, with its message.
 
 Two backends give the same batches. Threads (the default) share the process: PIL's JPEG decode releases the
 GIL, but the rest of each image's work (PIL's header parsing in Python, the copies into numpy) holds it,
@@ -28,6 +30,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
+from pcsr_jax.data.sources import Unreadable
 from pcsr_jax.errors import UserError
 
 
@@ -64,11 +67,12 @@ class Loader:
     self._payload: Optional[bytes] = None
 
   def decode(self, source_id: int, index: int) -> Optional[np.ndarray]:
-    """One preprocessed image, or None if it cannot be read."""
+    """One preprocessed image, or None if it cannot be read (`sources.Unreadable`); other errors propagate."""
     try:
-      return self.preprocess(self.sources[source_id].load(int(index)))
-    except Exception:  # unreadable / truncated file: skipped and counted by the caller
+      img = self.sources[source_id].load(int(index))
+    except Unreadable:  # unreadable / truncated file: skipped and counted by the caller
       return None
+    return self.preprocess(img)
 
   def _load(self, item):
     sid, idx = item
@@ -116,7 +120,7 @@ class Loader:
 
   def payload(self) -> bytes:
     """``(sources, preprocess)`` pickled as each worker process receives them at start-up; made once per loader
-    and kept, so that asking whether the sources can reach a worker (`harness.loader_kind`) and starting the
+    and kept, so that asking whether the sources can reach a worker (`run_setup.loader_kind`) and starting the
     workers pickle them once between them (all 15 ImageNet-C corruptions' 750,000 paths: 0.3 s).
     `UserError` when they cannot be pickled (a source holding a lock or an open handle)."""
     if self._payload is None:
@@ -238,7 +242,8 @@ def _worker_ping(hold_s: float) -> int:
 
 def _worker_decode(slot: str, layout: tuple, row0: int, items: list) -> list[tuple]:
   """Decodes ``items`` into rows ``row0..`` of the shared-memory batch ``slot``: ``(ok, label, name, source)``
-  per item, as `Loader._load` (an image that fails, or comes out in another shape, is skipped)."""
+  per item, as `Loader._load` (an unreadable image, or one that comes out in another shape, is skipped; any
+  other error propagates to the parent through the task's future)."""
   shms = _WORKER["slots"]
   if slot not in shms:
     if len(shms) >= 8:  # slots of finished `batches` calls: the parent unlinked them
@@ -251,12 +256,13 @@ def _worker_decode(slot: str, layout: tuple, row0: int, items: list) -> list[tup
   for k, (sid, idx) in enumerate(items):
     src = _WORKER["sources"][sid]
     try:
-      img = _WORKER["preprocess"](src.load(int(idx)))
-      ok = img.shape == shape[1:]
-      if ok:
-        out[row0 + k] = img
-    except Exception:  # unreadable / truncated: skipped, as on the thread path
-      ok = False
+      loaded = src.load(int(idx))
+    except Unreadable:  # unreadable / truncated: skipped, as on the thread path
+      loaded = None
+    img = None if loaded is None else _WORKER["preprocess"](loaded)
+    ok = img is not None and img.shape == shape[1:]
+    if ok:
+      out[row0 + k] = img
     result.append((ok, int(src.labels[idx]), src.names[idx], int(sid)))
   return result
 

@@ -5,6 +5,12 @@ non-wnid class names), ``names`` (a file name per item) and ``load(i) -> PIL
 image``. Items are in a fixed order -- class folders sorted by wnid, files
 sorted by name -- so that SAR's label-shift index files (``class*50 + k``)
 address the same images.
+
+``load`` raises `Unreadable` for an image that cannot be read or decoded (read
+through `read_image` / `decode_image`), and only for that: the loader skips and
+counts those (`loader.Loader`), while anything else a source raises -- a
+generated source's corruption failing, a bug -- ends the stream as the error it
+is.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ import hashlib
 import io
 import os
 import stat
+import struct
+import zlib
 from typing import Optional, Sequence
 
 import numpy as np
@@ -22,6 +30,41 @@ from pcsr_jax.data import imagenet
 from pcsr_jax.errors import UserError
 
 IMAGE_EXTENSIONS = (".jpeg", ".jpg", ".png", ".bmp", ".webp", ".ppm")
+
+
+class Unreadable(Exception):
+  """An image that cannot be read or decoded: a missing, truncated or broken file, a TFDS record that fails to
+  decode. The one exception `loader.Loader` counts as an unreadable image instead of stopping."""
+
+
+# What opening and decoding a broken file raises: OSError (a missing file, PIL's UnidentifiedImageError, "image
+# file is truncated", "broken data stream"), and what PIL's format plugins raise for malformed headers and data
+# (SyntaxError, EOFError, ValueError, IndexError, struct.error, zlib.error), and PIL's DecompressionBombError.
+DECODE_ERRORS = (OSError, EOFError, SyntaxError, ValueError, IndexError, struct.error, zlib.error,
+                 Image.DecompressionBombError)
+
+
+def read_image(path: str) -> Image.Image:
+  """The image file ``path``, decoded (PIL, loaded); `Unreadable` when it cannot be read or decoded. Only
+  regular files: opening a FIFO or a device named *.JPEG would block a decode thread for good."""
+  try:
+    if not stat.S_ISREG(os.stat(path).st_mode):
+      raise Unreadable(f"{path}: not a regular file")
+    with Image.open(path) as img:
+      img.load()
+      return img
+  except DECODE_ERRORS as e:
+    raise Unreadable(f"{path}: {type(e).__name__}: {e}") from e
+
+
+def decode_image(data: bytes, what: str) -> Image.Image:
+  """Encoded image bytes (a TFDS record's) decoded by PIL; `Unreadable`, naming ``what``, when they cannot be."""
+  try:
+    with Image.open(io.BytesIO(data)) as img:
+      img.load()
+      return img
+  except DECODE_ERRORS as e:
+    raise Unreadable(f"{what}: {type(e).__name__}: {e}") from e
 
 
 def listdir(path: str) -> list[str]:
@@ -61,13 +104,7 @@ class FolderSource:
     return len(self.paths)
 
   def load(self, i: int) -> Image.Image:
-    path = self.paths[i]
-    # Only regular files: opening a FIFO or a device named *.JPEG would block a decode thread for good.
-    if not stat.S_ISREG(os.stat(path).st_mode):
-      raise ValueError(f"{path}: not a regular file")
-    with Image.open(path) as img:
-      img.load()
-      return img
+    return read_image(self.paths[i])
 
 
 class ImageListSource:
@@ -149,12 +186,16 @@ class TFDSSource:
     return len(self.labels)
 
   def load(self, i: int) -> Image.Image:
-    img = self.ds[int(self.order[i])]["image"]
+    try:
+      img = self.ds[int(self.order[i])]["image"]
+    except Exception as e:  # noqa: BLE001 -- reading (and, without SkipDecoding, decoding) one record, nothing else
+      raise Unreadable(f"tfds {self.config} {self.names[i]}: {type(e).__name__}: {e}") from e
     if isinstance(img, (bytes, np.bytes_)):
-      with Image.open(io.BytesIO(bytes(img))) as im:
-        im.load()
-        return im
-    return Image.fromarray(np.asarray(img))
+      return decode_image(bytes(img), f"tfds {self.config} {self.names[i]}")
+    try:
+      return Image.fromarray(np.asarray(img))
+    except DECODE_ERRORS as e:  # TFDS decoded the record into something that is not an image
+      raise Unreadable(f"tfds {self.config} {self.names[i]}: {type(e).__name__}: {e}") from e
 
 
 # VisDA-2021's official validation list, as released and as the TTA repositories rename it.

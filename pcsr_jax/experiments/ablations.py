@@ -34,11 +34,20 @@ def variants(table: str) -> dict:
   return runs
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parser() -> common.ArgumentParser:
   p = common.parser("ablations.py", __doc__.split("\n\n")[0], PRESETS)
   p.add_argument("--table", required=True, choices=["conditioning", "aggregation", "qkv", "lr"])
-  a = p.parse_args(argv)
-  common.start_devices(a)
-  common.run_table(a, PRESETS, "ablation", variants(a.table), a.table, output=f"ablation_{a.table}")
-  return 0
+  return p
 
+
+def configs(a) -> dict:
+  """``{variant: RunConfig}`` of the flags: PCSR under each variant of ``--table``."""
+  return common.table_configs(a, PRESETS, "ablation", variants(a.table), output=f"ablation_{a.table}",
+                              owned=("methods",))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  a = parser().parse_args(argv)
+  common.start_devices(a)
+  common.run_many(configs(a), a.output, a.table)
+  return 0

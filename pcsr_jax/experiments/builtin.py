@@ -111,9 +111,8 @@ def run_config(output: str, images: int = DEFAULT_IMAGES, seeds=DEFAULT_SEEDS, m
   starts from the methods' own defaults instead (the sweep scores each candidate exactly as written).
   """
   from pcsr_jax import harness
-  from pcsr_jax.data import corruptions as corr
-
-  from pcsr_jax.experiments.common import merge_method_args
+  from pcsr_jax.config import merge_method_args
+  from pcsr_jax.data.generators import corruptions as corr
 
   frozen = frozen_method_args(methods, full) if frozen_args else {}
   merged = merge_method_args(frozen, method_args or {})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Optional
@@ -10,9 +11,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 from pcsr_jax.errors import ArgumentParser, UserError
 
+HEARTBEAT_TIMEOUT_S = 100  # --heartbeat-timeout's default
+INIT_TIMEOUT_S = 300  # --init-timeout's default
+
 
 def parser(prog: str, description: str, presets: dict) -> ArgumentParser:
   p = ArgumentParser(prog=prog, description=description)
+  p.set_defaults(command=prog)  # for messages
   p.add_argument("--preset", choices=sorted(presets), help="a paper table's settings (flags given explicitly win)")
   p.add_argument("--data", help="dataset root (ImageNet-C: <root>/<corruption>/<severity>/<wnid>/*.JPEG), or 'tfds'")
   p.add_argument("--checkpoint", help="a converted checkpoint dir (convert_weights.py)")
@@ -21,7 +26,7 @@ def parser(prog: str, description: str, presets: dict) -> ArgumentParser:
   p.add_argument("--corruptions", help="'all' (the 15), 'heldout' (the 4), 'bar' (ImageNet-C-bar's 10: its folders "
                  "<root>/<name>/<level>/, or --clean-data), or comma-separated names")
   p.add_argument("--severity", type=severity_arg, help="1..5; with --clean-data (or the built-in benchmark) also a "
-                 "fraction in (0, 5], the severity tables interpolated linearly")
+                 "fraction in [0.01, 5], the severity tables interpolated linearly")
   p.add_argument("--clean-data", help="generate ImageNet-C in the stream from clean images instead of --data: a clean "
                  "ImageNet folder (<dir>/<wnid>/*.JPEG, e.g. val) or 'tfds[:<name>[:<split>]]' (default imagenet2012 "
                  "validation); the release's pipeline (docs/corruption_stream.md)")
@@ -81,10 +86,10 @@ def parser(prog: str, description: str, presets: dict) -> ArgumentParser:
   g.add_argument("--process-id", type=int, help="0 .. num-processes - 1")
   g.add_argument("--distributed", action="store_true",
                  help="let jax detect the cluster (TPU pod, SLURM, Open MPI, JAX_COORDINATOR_ADDRESS)")
-  g.add_argument("--heartbeat-timeout", type=int, default=100,
-                 help="seconds after which a dead process stops the others (default 100)")
-  g.add_argument("--init-timeout", type=int, default=300,
-                 help="seconds the processes wait for each other (and for the coordinator) at the start (default 300)")
+  g.add_argument("--heartbeat-timeout", type=int,
+                 help=f"seconds after which a dead process stops the others (default {HEARTBEAT_TIMEOUT_S})")
+  g.add_argument("--init-timeout", type=int, help="seconds the processes wait for each other (and for the "
+                 f"coordinator) at the start (default {INIT_TIMEOUT_S})")
   return p
 
 
@@ -93,46 +98,202 @@ def start_devices(a) -> None:
   JAX."""
   from pcsr_jax import distributed, engine
 
+  multi = (a.coordinator, a.num_processes, a.process_id, a.heartbeat_timeout, a.init_timeout)
+  if not a.distributed and a.coordinator is None and any(v is not None for v in multi):
+    flag = ("--num-processes", "--process-id", "--heartbeat-timeout", "--init-timeout")[
+        next(i for i, v in enumerate(multi[1:]) if v is not None)]
+    raise UserError(f"{flag}: for a multi-process run (with --coordinator or --distributed)")
   engine.use_cpu_devices(a.cpu_devices)
   distributed.initialize(a.coordinator, a.num_processes, a.process_id, auto=a.distributed,
-                         heartbeat_timeout_s=a.heartbeat_timeout, init_timeout_s=a.init_timeout)
+                         heartbeat_timeout_s=_or(a.heartbeat_timeout, HEARTBEAT_TIMEOUT_S),
+                         init_timeout_s=_or(a.init_timeout, INIT_TIMEOUT_S))
 
 
-def config_from_args(a, presets: dict, defaults: Optional[dict] = None):
+def _or(value, default):
+  """A flag's value, or ``default`` where it was not given: 0 is a value (checked later), not "unset"."""
+  return default if value is None else value
+
+
+# The flags that are not fields of a run's configuration: where the processes and devices come from
+# (`start_devices`), the built-in benchmark's --full (it sets other fields: `builtin_config`), and the table
+# scripts' flags that choose their rows (imagenet_rav.py's datasets, ablations.py's table).
+NOT_CONFIG = ("preset", "cpu_devices", "coordinator", "num_processes", "process_id", "distributed",
+              "heartbeat_timeout", "init_timeout", "full", "imagenet_r", "imagenet_a", "visda", "table")
+# A flag's `harness.RunConfig` field where the names differ.
+FIELD = {"images": "images_per_corruption", "fashion_mnist_dir": "fmnist_dir", "no_shuffle": "shuffle",
+         "no_progress": "progress"}
+
+
+def given_flags(a) -> dict:
+  """``{dest: value}`` of the flags set on the command line (a switch: when set)."""
+  return {k: v for k, v in vars(a).items() if v is not None and v is not False and k != "command"}
+
+
+def config_fields(given: dict) -> dict:
+  """The `harness.RunConfig` fields the given flags set: the one translation of every command's flags."""
+  kw = {}
+  for dest, v in given.items():
+    if dest in NOT_CONFIG or (dest == "eval_order" and v == "both"):  # both: the built-in's two runs
+      continue
+    if dest == "methods":
+      v = parse_methods(v)
+    elif dest == "corruptions":
+      v = parse_corruptions(v)
+    elif dest == "seeds":
+      v = parse_seeds(v)
+    elif dest == "method_args":
+      v = parse_method_args(v)
+    elif dest in ("no_shuffle", "no_progress"):
+      v = False
+    kw[FIELD.get(dest, dest)] = v
   from pcsr_jax import harness
 
-  kw = dict(defaults or {})
-  if a.preset:
-    kw.update(presets[a.preset])
-  flags = dict(data=a.data, checkpoint=a.checkpoint, dataset=a.dataset, severity=a.severity, setting=a.setting,
-               batch_size=a.batch_size, output=a.output, limit=a.limit, eval_order=a.eval_order,
-               checkpoint_every=a.checkpoint_every, workers=a.workers, imbalance_ratio=a.imbalance_ratio,
-               label_shift_indices=a.label_shift_indices, tfds_data_dir=a.tfds_data_dir, image_list=a.image_list,
-               clean_data=a.clean_data, corruption_seed=a.corruption_seed, corrupt_on=a.corrupt_on,
-               ccc_target=a.ccc_target, ccc_speed=a.ccc_speed, ccc_length=a.ccc_length,
-               ccc_calibration_images=a.ccc_calibration_images,
-               source_data=a.source_data, source_images=a.source_images, dtype=a.dtype, attention=a.attention,
-               loader=a.loader or "auto", row_chunk=a.row_chunk)
-  kw.update({k: v for k, v in flags.items() if v is not None})
-  if a.methods:
-    kw["methods"] = parse_methods(a.methods)
-  if a.corruptions:
-    kw["corruptions"] = parse_corruptions(a.corruptions)
-  if a.seeds:
-    kw["seeds"] = parse_seeds(a.seeds)
-  if a.method_args:
-    kw["method_args"] = merge_method_args(kw.get("method_args", {}), parse_method_args(a.method_args))
-  kw["shuffle"] = not a.no_shuffle
-  kw["save_predictions"] = a.save_predictions
-  kw["resume"] = a.resume
-  kw["progress"] = not a.no_progress
-  if not kw.get("data") and not kw.get("clean_data"):
-    raise UserError("--data or --clean-data is required (or use a preset that sets it)")
-  if not kw.get("checkpoint"):
-    raise UserError("--checkpoint is required with --data or --clean-data (or use a preset that sets it)")
-  kw.setdefault("data", None)
-  kw.setdefault("output", os.path.join("runs", a.preset or "imagenet_c"))
-  return harness.RunConfig(**kw)
+  unknown = set(kw) - {f.name for f in dataclasses.fields(harness.RunConfig)}
+  assert not unknown, f"flags without a RunConfig field: {sorted(unknown)} (add them to FIELD or NOT_CONFIG)"
+  return kw
+
+
+def is_builtin(a) -> bool:
+  """No --data and no --clean-data: the built-in Fashion-MNIST-C benchmark."""
+  return a.data is None and a.clean_data is None
+
+
+def config_from_args(a, presets: dict, runs: Optional[dict] = None, owned: tuple[str, ...] = ()) -> list:
+  """The run configurations a command's flags ask for: one `harness.RunConfig` per run, or one when ``runs``
+  is None, each validated.
+
+  The one path from the flags to a run for every command (`imagenet_c.py`, with or without --data,
+  `imagenet_rav.py`, `wild.py`, `ablations.py`): the preset's settings, then the built-in benchmark's frozen
+  configuration where there is no --data (`builtin_config`), then every flag given (`config_fields`), then
+  ``runs``' overrides (``{name: RunConfig fields}``: the command's rows; their ``method_args`` merged over the
+  flags'). ``owned`` names the flags the command sets itself per row (refused if given). A flag that applies
+  to none of the runs is refused with one line naming it (`check_applies`), and every value is checked
+  (`RunConfig.validate`) before any work.
+  """
+  from pcsr_jax import harness
+  from pcsr_jax.config import merge_method_args
+
+  given = given_flags(a)
+  builtin = runs is None and is_builtin(a)
+  for dest in owned:
+    if dest in given:
+      raise UserError(f"{flag_name(dest)}: set by {a.command} for each of its runs "
+                      f"({', '.join(runs or ())}); drop it")
+  if a.eval_order == "both" and not builtin:
+    raise UserError("--eval-order both: only for the built-in benchmark (no --data or --clean-data)")
+  fields = config_fields(given)
+  if builtin:
+    kw = builtin_config(a, fields)
+  else:
+    kw = dict(presets[a.preset]) if a.preset else {}
+    kw.update(fields)
+    if "method_args" in fields:
+      kw["method_args"] = merge_method_args(presets.get(a.preset, {}).get("method_args", {}), fields["method_args"])
+    kw.setdefault("output", os.path.join("runs", a.preset or "imagenet_c"))
+    kw.setdefault("loader", "auto")
+  configs = []
+  for name, over in (runs or {None: {}}).items():
+    row = dict(kw, **over)
+    if "method_args" in over:
+      row["method_args"] = merge_method_args(kw.get("method_args", {}), over["method_args"])
+    if name is not None:
+      row["output"] = os.path.join(kw["output"], name)
+    if not row.get("data") and not row.get("clean_data"):
+      raise UserError("--data or --clean-data is required (or use a preset that sets it)")
+    if not row.get("checkpoint"):
+      raise UserError("--checkpoint is required with --data or --clean-data (or use a preset that sets it)")
+    row.setdefault("data", None)
+    configs.append(harness.RunConfig(**row))
+  for cfg in configs:
+    cfg.validate()
+  check_applies(given, configs, builtin)
+  return configs
+
+
+def builtin_config(a, fields: dict) -> dict:
+  """The built-in benchmark's `harness.RunConfig` fields under the flags: its frozen configuration
+  (`builtin.run_config`: the 15 corruptions at severity 5, batch 64, 1,280 images, seed 2022, the tuned method
+  arguments), with every flag's field over it."""
+  from pcsr_jax.experiments import builtin
+
+  if a.preset not in (None, "table1"):
+    raise UserError(f"--preset {a.preset} needs --data (the built-in benchmark has only table1: every method)")
+  if a.full and a.images is not None:
+    raise UserError("--full runs all 10,000 images: drop --images")
+  chosen = fields.get("methods") or (builtin.all_methods() if a.full or a.preset == "table1" else builtin.METHODS)
+  out = os.path.join("runs", "builtin_full" if a.full else "builtin")
+  images = builtin.FULL_IMAGES if a.full else builtin.default_images(chosen)
+  seeds = builtin.FULL_SEEDS if a.full else builtin.DEFAULT_SEEDS
+  cfg = builtin.run_config(fields.get("output", out), images=fields.get("images_per_corruption", images),
+                           seeds=fields.get("seeds", seeds), methods=chosen,
+                           method_args=fields.get("method_args"), full=a.full,
+                           checkpoint=fields.get("checkpoint", builtin.CHECKPOINT))
+  kw = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+  kw.update({k: v for k, v in fields.items() if k != "method_args"})
+  kw.update(methods=cfg.methods, method_args=cfg.method_args, loader=fields.get("loader", "auto"))
+  return kw
+
+
+def flag_name(dest: str) -> str:
+  return "--" + dest.replace("_", "-")
+
+
+def check_applies(given: dict, configs: list, builtin: bool) -> None:
+  """One line for the first flag given that none of ``configs`` uses (`inapplicable`), naming the flag to use
+  where there is one."""
+  for dest, value in given.items():
+    whys = [inapplicable(dest, value, cfg, builtin) for cfg in configs]
+    if all(whys):
+      raise UserError(f"{flag_name(dest)}: {whys[0]}")
+
+
+def inapplicable(dest: str, value, cfg, builtin: bool) -> Optional[str]:
+  """Why the flag ``dest`` (given as ``value``) does not apply to the run ``cfg``, or None if it does."""
+  from pcsr_jax import methods
+  from pcsr_jax.data import datasets
+
+  spec = datasets.get(cfg.dataset)
+  generated = builtin or cfg.clean_data is not None
+  if dest in ("full", "images", "fashion_mnist_dir", "cache_dir") and not builtin:
+    return ("the built-in benchmark's (no --data or --clean-data)" +
+            ("; --limit caps the images per corruption" if dest in ("full", "images") else ""))
+  if dest in ("dataset", "tfds_data_dir", "image_list", "label_shift_indices") and builtin:
+    return "needs --data (it does not apply to the built-in benchmark)"
+  if dest == "tfds_data_dir" and not any(str(v or "").split(":")[0] == "tfds"
+                                         for v in (cfg.data, cfg.clean_data, cfg.source_data)):
+    return "where TFDS data lives: for --data tfds, --clean-data tfds or --source-data tfds"
+  if dest == "image_list" and cfg.dataset != "visda":
+    return "VisDA-2021's image list (--dataset visda)"
+  if dest == "corrupt_on" and cfg.clean_data is None:
+    return "the device path corrupts --clean-data's images; give --clean-data"
+  if dest == "corruption_seed" and not generated:
+    return ("seeds generated corruptions (--clean-data, the built-in benchmark); --data holds released images")
+  if dest in ("imbalance_ratio", "label_shift_indices") and cfg.setting != "label_shifts":
+    return "for --setting label_shifts"
+  if dest == "imbalance_ratio" and cfg.label_shift_indices:
+    return "--label-shift-indices gives the label-shift stream itself"
+  if dest.startswith("ccc_") and cfg.setting != "ccc":
+    return "for --setting ccc"
+  if dest in ("severity", "corruptions") and not spec.has_severity:
+    return f"--dataset {cfg.dataset} has no corruptions or severities"
+  if dest == "severity" and cfg.setting in ("gradual", "ccc"):
+    return f"--setting {cfg.setting} walks the severities itself"
+  if dest == "corruptions" and cfg.setting == "ccc":
+    return "--setting ccc walks its own corruptions (--ccc-target chooses them)"
+  if dest == "no_shuffle" and cfg.setting in ("ccc", "label_shifts"):
+    return f"--setting {cfg.setting} draws its own order"
+  if dest == "batch_size" and cfg.setting == "bs1" and value != 1:
+    return "--setting bs1 runs batch size 1"
+  if dest in ("source_data", "source_images"):
+    uses = [m for m in cfg.methods if methods.get(m, **cfg.method_args.get(m, {})).uses_source_data()]
+    if not uses:
+      return (f"none of the methods ({', '.join(cfg.methods)}) uses source statistics (eata, cfa and foa do)")
+  if dest == "method_args":
+    extra = sorted(set(parse_method_args(value)) - set(cfg.methods))
+    if extra:
+      verb = "is" if len(extra) == 1 else "are"
+      return f"{', '.join(extra)} {verb} not among the methods run ({', '.join(cfg.methods)})"
+  return None
 
 
 def severity_arg(text: str):
@@ -144,28 +305,22 @@ def severity_arg(text: str):
   return int(value) if value.is_integer() else value
 
 
-def merge_method_args(base: dict, extra: dict) -> dict:
-  """Per-method hyperparameters: ``extra``'s keys win over ``base``'s, method by method."""
-  merged = {m: dict(a) for m, a in base.items()}
-  for m, a in extra.items():
-    merged[m] = {**merged.get(m, {}), **a}
-  return merged
-
-
 def parse_list(text: str) -> tuple[str, ...]:
   return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
 def parse_methods(text: str) -> tuple[str, ...]:
-  """``--methods``: comma-separated names, or ``all`` (every registered method)."""
+  """``--methods``: comma-separated names or ``package.module:Class`` of a method defined outside this package
+  (imported and registered: `methods.load`), or ``all`` (every registered method)."""
   from pcsr_jax import methods
 
-  return tuple(methods.REGISTRY) if text.strip() == "all" else parse_list(text)
+  return tuple(methods.REGISTRY) if text.strip() == "all" else tuple(methods.load(m) for m in parse_list(text))
 
 
 def parse_corruptions(text: str) -> tuple[str, ...]:
   """'all' (the 15), 'heldout' (the 4), 'bar' (ImageNet-C-bar's 10), or comma-separated names."""
-  from pcsr_jax.data import corruptions_bar, imagenet
+  from pcsr_jax.data import imagenet
+  from pcsr_jax.data.generators import corruptions_bar
 
   return {"all": imagenet.CORRUPTIONS, "heldout": imagenet.HELDOUT_CORRUPTIONS,
           "bar": corruptions_bar.NAMES}.get(text) or parse_list(text)
@@ -216,33 +371,32 @@ def eval_order_table(results: dict, methods) -> str:
   return "\n".join(lines) + "\n"
 
 
-def run_table(a, presets: dict, preset: str, runs: dict, title: str, output: Optional[str] = None) -> str:
-  """The tail of a table script: its preset under the flags, the runs, one summary table (`run_many`);
-  without --output, the runs go to ``runs/<output or preset>``."""
+def table_configs(a, presets: dict, preset: str, runs: dict, output: Optional[str] = None,
+                  owned: tuple[str, ...] = ()) -> dict:
+  """A table script's ``{row: RunConfig}``: its preset under the flags, one run per row of ``runs``, all built and
+  checked before the first runs (`config_from_args`); without --output, in ``runs/<output or preset>``."""
   a.preset = a.preset or preset
-  base = config_from_args(a, presets)
   if not a.output:
-    base.output = os.path.join("runs", output or preset)
-  return run_many(base, runs, title)
+    a.output = os.path.join("runs", output or preset)
+  return dict(zip(runs, config_from_args(a, presets, runs, owned)))
 
 
-def run_many(base, runs: dict, title: str, column: str = "Avg.") -> str:
-  """Runs ``{row_name: RunConfig overrides}`` into ``<output>/<row_name>`` and prints one summary table:
-  the mean accuracy over corruptions (± std over seeds) of each row and method."""
-  import dataclasses
-
-  from pcsr_jax import harness
+def run_many(configs: dict, output: str, title: str, column: str = "Avg.") -> str:
+  """Runs ``{row_name: RunConfig}`` and prints one summary table into ``<output>/summary.md``: the mean
+  accuracy over corruptions (± std over seeds) of each row and method."""
+  from pcsr_jax import harness, run_setup
   from pcsr_jax.results import fmt_mean_std
 
+  for cfg in configs.values():
+    run_setup.check_data(cfg)
   lines = [f"| {title} | method | {column} |", "|---|---|---|"]
-  for name, over in runs.items():
-    cfg = dataclasses.replace(base, output=os.path.join(base.output, name), **over)
+  for name, cfg in configs.items():
     res = harness.run(cfg)
     for m in cfg.methods:
       lines.append(f"| {name} | {m} | {fmt_mean_std([100 * v for v in mean_accuracy(res['records'], m, cfg.seeds)])} |")
   table = "\n".join(lines) + "\n"
-  os.makedirs(base.output, exist_ok=True)
-  with open(os.path.join(base.output, "summary.md"), "w") as f:
+  os.makedirs(output, exist_ok=True)
+  with open(os.path.join(output, "summary.md"), "w") as f:
     f.write(table)
   print(table)
   return table

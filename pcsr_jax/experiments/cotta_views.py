@@ -20,8 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pcsr_jax import checkpoint, methods
-from pcsr_jax.data import corruptions as corr
-from pcsr_jax.data import fmnist_c, streams, transforms
+from pcsr_jax.data.generators import corruptions as corr
+from pcsr_jax.data import streams, transforms
+from pcsr_jax.data.generators import fmnist_c
 from pcsr_jax.errors import ArgumentParser, UserError
 from pcsr_jax.experiments import builtin
 

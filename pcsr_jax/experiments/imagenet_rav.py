@@ -20,19 +20,26 @@ from pcsr_jax.errors import UserError
 PRESETS = {"table2": dict(setting="normal", batch_size=64, seeds=(2022, 2023, 2024))}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parser() -> common.ArgumentParser:
   p = common.parser("imagenet_rav.py", __doc__.split("\n\n")[0], PRESETS)
   p.add_argument("--imagenet-r", help="ImageNet-R root (<root>/<wnid>/*)")
   p.add_argument("--imagenet-a", help="ImageNet-A root (<root>/<wnid>/*)")
   p.add_argument("--visda", help="the folder VisDA-2021's validation zip was unpacked in (val_filelists/, "
                                  "val_data/); --image-list names another list")
-  a = p.parse_args(argv)
-  common.start_devices(a)
+  return p
+
+
+def configs(a) -> dict:
+  """``{dataset: RunConfig}`` of the flags: a run per dataset given."""
   runs = {name: dict(data=path, dataset=name) for name, path in
           (("imagenet_r", a.imagenet_r), ("imagenet_a", a.imagenet_a), ("visda", a.visda)) if path}
   if not runs:
     raise UserError("give at least one of --imagenet-r, --imagenet-a, --visda")
-  a.data = a.data or next(iter(runs.values()))["data"]
-  common.run_table(a, PRESETS, "table2", runs, "dataset")
-  return 0
+  return common.table_configs(a, PRESETS, "table2", runs, owned=("data", "dataset"))
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+  a = parser().parse_args(argv)
+  common.start_devices(a)
+  common.run_many(configs(a), a.output, "dataset")
+  return 0

@@ -53,7 +53,9 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
+from pcsr_jax import files
 from pcsr_jax.errors import ArgumentParser, UserError
+from pcsr_jax.experiments import train_checks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo
 DEFAULT_OUT = os.path.join(ROOT, "assets", "fmnist_ddpm")
@@ -88,32 +90,38 @@ def parse(argv: Optional[Sequence[str]]):
   p.add_argument("--eval-images", type=int, default=EVAL_IMAGES,
                  help=f"the record's held-out eps-MSE over the first N test images (default {EVAL_IMAGES})")
   a = p.parse_args(argv)
-  for flag in ("steps", "stop_after", "batch_size", "num_channels", "num_res_blocks", "train_limit", "log_every",
-               "checkpoint_every", "num_head_channels", "eval_images"):
-    v = getattr(a, flag)
-    if v is not None and v < 1:
-      raise UserError(f"--{flag.replace('_', '-')}: expected a positive integer, got {v}")
-  if not (math.isfinite(a.lr) and a.lr > 0):
-    raise UserError(f"--lr: expected a number > 0, got {a.lr}")
+  train_checks.check_flags(a, positive=("steps", "stop_after", "batch_size", "num_channels", "num_res_blocks",
+                                        "train_limit", "log_every", "checkpoint_every", "num_head_channels",
+                                        "eval_images"), positive_floats=("lr",))
   if not 0.0 <= a.ema_rate < 1.0:
     raise UserError(f"--ema-rate: expected a value in [0, 1), got {a.ema_rate}")
   for flag, kind in (("channel_mult", float), ("attention_resolutions", int)):
+    text = getattr(a, flag)
     try:
-      setattr(a, flag, tuple(kind(v) for v in getattr(a, flag).split(",") if v.strip()))
+      values = tuple(kind(v) for v in text.split(",") if v.strip())
     except ValueError:
-      raise UserError(f"--{flag.replace('_', '-')}: expected comma-separated numbers, got "
-                      f"{getattr(a, flag)!r}") from None
+      values = (math.nan,)
+    if not all(math.isfinite(v) and v > 0 for v in values):
+      raise UserError(f"--{flag.replace('_', '-')}: expected comma-separated numbers > 0, got {text!r}")
+    setattr(a, flag, values)
   return a
 
 
 def unet_config(a) -> Any:
-  """The `UNetConfig` of the flags (its own checks name the field at fault)."""
+  """The `UNetConfig` of the flags (its own checks name the field at fault). An attention resolution that is
+  none of the UNet's levels is refused: guided-diffusion would silently put no attention there."""
   from pcsr_jax.models.unet import UNetConfig
 
-  return UNetConfig(image_size=32, in_channels=3, out_channels=6, num_channels=a.num_channels,
-                    channel_mult=a.channel_mult, num_res_blocks=a.num_res_blocks,
-                    attention_resolutions=a.attention_resolutions, num_head_channels=a.num_head_channels,
-                    resblock_updown=True, use_scale_shift_norm=True, dropout=0.0)
+  cfg = UNetConfig(image_size=32, in_channels=3, out_channels=6, num_channels=a.num_channels,
+                   channel_mult=a.channel_mult, num_res_blocks=a.num_res_blocks,
+                   attention_resolutions=a.attention_resolutions, num_head_channels=a.num_head_channels,
+                   resblock_updown=True, use_scale_shift_norm=True, dropout=0.0)
+  levels = [cfg.image_size // 2 ** i for i in range(len(cfg.channel_mult))]
+  unused = [r for r in cfg.attention_resolutions if r not in levels]
+  if unused:
+    raise UserError(f"--attention-resolutions: {unused} px is not a resolution of this UNet (its levels: {levels} "
+                    f"px with --channel-mult {','.join(map(str, cfg.channel_mult))})")
+  return cfg
 
 
 class Trainer:
@@ -260,6 +268,7 @@ def batch_images(x_train, seed: int, step: int, batch_size: int):
 def main(argv: Optional[Sequence[str]] = None) -> int:
   a = parse(argv)
   out = os.path.abspath(a.out)
+  files.check_output_dir(out, "--out", beside=True)  # the model is written beside it, then renamed over it
   finished = os.path.isfile(os.path.join(out, "record.json"))
   if finished and not a.force:
     raise UserError(f"--out {a.out}: holds a trained model already (pass --force to overwrite)")
@@ -273,7 +282,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   import numpy as np
   from tqdm import tqdm
 
-  from pcsr_jax import checkpoint, files
+  from pcsr_jax import checkpoint
   from pcsr_jax.data import fashion_mnist
 
   jax.config.update("jax_default_matmul_precision", "highest")
@@ -298,6 +307,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       f"start over")
     start, history, seconds_before = int(saved["step"]), saved["history"], float(saved["seconds"])
     sessions = saved["sessions"]
+    if start > a.steps:  # else the record would say --steps while the params hold `start` steps
+      raise UserError(f"--steps {a.steps}: the saved state in {resume_dir} is at step {start}, after it; resume "
+                      f"with --steps {start} or more, or rerun without --resume to start over")
   else:
     shutil.rmtree(out if finished else resume_dir, ignore_errors=True)
   per_epoch = len(x_train) // a.batch_size
@@ -316,14 +328,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       metrics = trainer.step(batch_images(x_train, a.seed, step, a.batch_size))
       step += 1
       bar.update(1)
-      for k, v in metrics.items():
-        sums[k] = sums.get(k, 0.0) + float(v)
+      values = {k: float(v) for k, v in metrics.items()}
+      train_checks.check_finite(step, a.lr, loss=values["loss"])
+      for k, v in values.items():
+        sums[k] = sums.get(k, 0.0) + v
       if step % a.log_every == 0 or step == a.steps:
         count = step - (history[-1]["step"] if history else 0)
         history.append(dict(step=step, **{k: round(v / count, 5) for k, v in sums.items()}))
         sums = {}
         bar.set_postfix(loss=history[-1]["loss"], mse=history[-1]["mse"])
       if step % a.checkpoint_every == 0 or step == stop:
+        train_checks.check_finite(step, a.lr, params=trainer.state["params"])
         sessions[-1]["end_step"] = step
         files.save_trainer(resume_dir, trainer, FORMAT_STATE, dict(
             key=key, step=step, history=history, partial=sums, sessions=sessions,
@@ -334,6 +349,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if step < a.steps:
     print(f"stopped after step {step} of {a.steps} ({seconds:.0f} s); continue with --resume", flush=True)
     return 0
+  if sums:  # resumed at --steps exactly: the saved open curve point is the last one
+    count = step - (history[-1]["step"] if history else 0)
+    history.append(dict(step=step, **{k: round(v / count, 5) for k, v in sums.items()}))
+  sessions[-1]["end_step"] = step
+  train_checks.check_finite(step, a.lr, params=trainer.state["ema"])
   ema = jax.device_get(trainer.state["ema"])
   held_out = x_test[:a.eval_images].astype(np.float32) / 127.5 - 1.0
   mse = eps_mse(trainer.model, ema, held_out, EVAL_TIMESTEPS, seed=a.seed)
@@ -349,8 +369,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   meta["training"] = record
   tmp = f"{out}.tmp{os.getpid()}"
   checkpoint.save(tmp, ema, meta, force=True)
-  from pcsr_jax import files
-
   files.write_json(os.path.join(tmp, "record.json"), record, indent=1)
   shutil.rmtree(out, ignore_errors=True)
   os.replace(tmp, out)

@@ -6,8 +6,9 @@
 ``--source-data`` takes what the harness takes (a clean ImageNet folder ``<dir>/<wnid>/*.JPEG``,
 ``tfds[:<name>[:<split>]]`` or ``fmnist-train``), with labels in the checkpoint's classes. ``DIR`` then holds
 ``params.npz`` and ``record.json`` (the SHA-256 of the checkpoint's params they were trained from, the
-command, the settings and the training curve), which ``dept-g`` reads: ``--method-args '{"dept-g":
-{"prompts": "DIR"}}'``.
+command, the settings, the training curve and the names of the unreadable source images, which are left out
+of their batches as the harness leaves them out of its stream), which ``dept-g`` reads: ``--method-args
+'{"dept-g": {"prompts": "DIR"}}'``. A non-finite loss stops the run with nothing written as finished.
 
 What it runs (``yhygao/DePT:source.py``, ``script/source/train_imagenet-c_source.sh``, ``losses.py``,
 ``model/dept_dino.py``): per step, a teacher EMA (momentum 0.99) of the student, then the teacher on one
@@ -39,7 +40,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import shlex
 import shutil
@@ -47,7 +47,9 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
+from pcsr_jax import files
 from pcsr_jax.errors import ArgumentParser, UserError
+from pcsr_jax.experiments import train_checks
 
 FORMAT_STATE = "pcsr-jax dept-g train_prompts state v1"
 
@@ -80,14 +82,8 @@ def parse(argv: Optional[Sequence[str]]):
   p.add_argument("--workers", type=int, help="image decoding threads")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
   a = p.parse_args(argv)
-  for flag in ("epochs", "batch_size", "checkpoint_every", "steps", "stop_after", "images", "workers"):
-    v = getattr(a, flag)
-    if v is not None and v < 1:
-      raise UserError(f"--{flag.replace('_', '-')}: expected a positive integer, got {v}")
-  if a.warmup_steps is not None and a.warmup_steps < 0:
-    raise UserError(f"--warmup-steps: expected an integer >= 0, got {a.warmup_steps}")
-  if not (math.isfinite(a.lr) and a.lr > 0):
-    raise UserError(f"--lr: expected a number > 0, got {a.lr}")
+  train_checks.check_flags(a, positive=("epochs", "batch_size", "checkpoint_every", "steps", "stop_after", "images",
+                                        "workers"), non_negative=("warmup_steps",), positive_floats=("lr",))
   return a
 
 
@@ -230,6 +226,25 @@ class Trainer:
 
 
 
+def first_readable_shape(loader, n: int, spec: str) -> tuple:
+  """The shape of the first readable one of the source's first ``n`` images (what the padding rows of a batch
+  take when all its images are unreadable); a one-line `UserError` naming ``spec`` when none can be read.
+  Decodes the images in the loader's batches until one comes back: one batch unless many are unreadable."""
+  import numpy as np
+
+  skipped: list = []
+  batches = loader.batches(np.zeros(n, np.int64), np.arange(n))
+  try:
+    for b in batches:
+      if len(b.labels):
+        return tuple(b.images.shape[1:])
+      skipped += b.skipped
+  finally:
+    batches.close()
+  raise UserError(f"--source-data {spec}: none of the {n:,} source images could be read (e.g. "
+                  f"{', '.join(skipped[:3])})")
+
+
 def run_key(a, ckpt_digest: str, data_desc: str, n_images: int) -> str:
   """What a resumed run must share with the saved one: every setting that changes the numbers."""
   keep = {k: v for k, v in vars(a).items() if k not in ("resume", "force", "stop_after", "checkpoint_every",
@@ -241,6 +256,7 @@ def run_key(a, ckpt_digest: str, data_desc: str, n_images: int) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
   a = parse(argv)
   out = a.out
+  files.check_output_dir(out, "--out")
   if os.path.exists(os.path.join(out, "record.json")) and not (a.force or a.resume):
     raise UserError(f"--out {out}: holds trained prompts already (pass --force to overwrite)")
   resume_dir = os.path.join(out, "resume")
@@ -251,7 +267,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   import numpy as np
   from tqdm import tqdm
 
-  from pcsr_jax import checkpoint, files, source_stats
+  from pcsr_jax import checkpoint, source_stats
   from pcsr_jax.data import sources
   from pcsr_jax.data.loader import Loader
   from pcsr_jax.methods import dept
@@ -270,57 +286,69 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if per_epoch < 1:
     raise UserError(f"--batch-size {a.batch_size}: more than the {n} source images")
   total = per_epoch * a.epochs if a.steps is None else min(a.steps, per_epoch * a.epochs)
+  loader = Loader([data.source], data.preprocess.to_uint8, a.batch_size, workers=a.workers)
+  image_shape = first_readable_shape(loader, n, a.source_data)
   warmup = a.stages * a.prompts if a.warmup_steps is None else a.warmup_steps
   ckpt_digest = checkpoint.params_digest(params)
   key = run_key(a, ckpt_digest, data.description, n)
   trainer = Trainer(model, params, prompt, finetune=a.finetune_backbone, lr=a.lr, warmup=warmup, total=total,
                     seed=a.seed, epochs=a.epochs, mean=meta["mean"], std=meta["std"])
   history: list = []
-  start = 0
+  start, unreadable = 0, set()  # unreadable: the names of the source images skipped so far (over all sessions)
   if a.resume:
     saved = files.load_trainer(resume_dir, trainer, FORMAT_STATE)
     if saved.get("key") != key:
       raise UserError(f"--resume: {resume_dir} was saved by a run with other settings, checkpoint or data; rerun "
                       f"without --resume to start over")
     start, history = int(saved["step"]), saved.get("history", [])
+    unreadable = set(saved.get("unreadable", []))
   elif os.path.isdir(resume_dir):
     shutil.rmtree(resume_dir)
   print(f"dept-g source stage: {data.description}, {n:,} images, {total} steps of {a.batch_size} "
         f"({total / per_epoch:.2f} epochs), backbone {'fine-tuned' if a.finetune_backbone else 'frozen'}, "
         f"{prompt.stages} stages x {prompt.prompts} prompts" + (f"; resuming at step {start}" if start else ""),
         flush=True)
-  loader = Loader([data.source], data.preprocess.to_uint8, a.batch_size, workers=a.workers)
   bar = tqdm(total=total, initial=start, desc="dept-g prompts", unit="step",
              disable=a.no_progress or not sys.stderr.isatty(), file=sys.stderr)
-  t0, step, sums, skipped = time.time(), start, {}, 0
+  t0, step, sums = time.time(), start, {}
   stop = total if a.stop_after is None else min(total, start + a.stop_after)
   try:
     while step < stop:
       epoch, first = divmod(step, per_epoch)
       order = np.random.default_rng([a.seed, epoch]).permutation(n)[:per_epoch * a.batch_size]
       for b in loader.batches(np.zeros(len(order), np.int64), order, start_batch=first):
+        # Unreadable images are left out as padding rows (valid False); a batch of none readable is all padding
+        # and still a step, so that the schedule and the resumable step count stay those of the batch order.
         rows = len(b.labels)
-        skipped += len(b.skipped)
-        images = np.zeros((a.batch_size,) + b.images.shape[1:], np.float32)
-        images[:rows] = data.preprocess.normalize(b.images)
+        unreadable.update(b.skipped)
+        images = np.zeros((a.batch_size,) + image_shape, np.float32)
+        if rows:
+          images[:rows] = data.preprocess.normalize(b.images)
         labels = np.zeros((a.batch_size,), np.int32)
         labels[:rows] = b.labels
         metrics = trainer.step(images, labels, np.arange(a.batch_size) < rows, epoch)
         step += 1
         bar.update(1)
-        for k, v in metrics.items():
-          sums[k] = sums.get(k, 0.0) + float(v)
+        values = {k: float(v) for k, v in metrics.items()}
+        train_checks.check_finite(step, a.lr, loss=values["loss"])
+        for k, v in values.items():
+          sums[k] = sums.get(k, 0.0) + v
         if step % a.checkpoint_every == 0 or step == stop or step % per_epoch == 0:
           count = step - (history[-1]["step"] if history else 0)
           history.append(dict(step=step, epoch=epoch, **{k: round(v / max(count, 1), 5) for k, v in sums.items()}))
           sums = {}
           bar.set_postfix(loss=history[-1]["loss"], acc=history[-1]["accuracy"])
-          files.save_trainer(resume_dir, trainer, FORMAT_STATE, dict(key=key, step=step, history=history))
+          train_checks.check_finite(step, a.lr, params=trainer.state["student"])
+          files.save_trainer(resume_dir, trainer, FORMAT_STATE, dict(key=key, step=step, history=history,
+                                                                     unreadable=sorted(unreadable)))
         if step >= stop or step % per_epoch == 0:
           break
   finally:
     bar.close()
   seconds = time.time() - t0
+  if unreadable:
+    print(f"skipped {len(unreadable)} unreadable source images of {n:,} (named in "
+          f"{os.path.join(out, 'record.json' if step >= total else 'resume/state.json')})", flush=True)
   if step < total:
     print(f"stopped after step {step} of {total} ({seconds:.0f} s); continue with --resume", flush=True)
     return 0
@@ -329,7 +357,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   record = dict(checkpoint_sha256=ckpt_digest, checkpoint=a.checkpoint, source_data=data.description,
                 source_images=n, command=command, seed=a.seed, steps=total, epochs=round(total / per_epoch, 4),
                 batch_size=a.batch_size, lr=a.lr, warmup_steps=warmup, finetune_backbone=a.finetune_backbone,
-                unreadable_images=skipped, history=history, seconds_this_session=round(seconds, 1))
+                unreadable_images=len(unreadable), unreadable=sorted(unreadable), history=history,
+                seconds_this_session=round(seconds, 1))
   digest = dept.save_prompts(out, trainer.student_params(), prompt, record)
   shutil.rmtree(resume_dir, ignore_errors=True)
   print(json.dumps(dict(out=out, steps=total, params_npz_sha256=digest, final=history[-1] if history else None,

@@ -13,7 +13,8 @@ cosine; a variant of this script that was not kept), gave 89.21%. Patch 4 (4x th
 Everything is derived from ``--seed`` -- init, the epoch permutations and the
 flips -- and runs with the highest matmul precision, so on a CPU the script
 regenerates the committed checkpoint bit for bit (the saved metadata records
-a SHA-256 of the params to check that against).
+a SHA-256 of the params to check that against). A non-finite loss stops the run
+at that step, before anything is written.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from typing import Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo
 
+from pcsr_jax import files
 from pcsr_jax.errors import ArgumentParser, UserError
+from pcsr_jax.experiments import train_checks
 
 DEFAULT_OUT = os.path.join(ROOT, "assets", "fmnist_vit")
 # mean = std = 0.5, as for timm's augreg ViTs: the same preprocessing code serves both.
@@ -66,6 +69,8 @@ def train(args) -> dict:
   x_test, y_test = fashion_mnist.load("test", args.fashion_mnist_dir)
   if args.train_limit:
     x_train, y_train = x_train[:args.train_limit], y_train[:args.train_limit]
+  if len(x_train) < args.batch_size:
+    raise UserError(f"--batch-size {args.batch_size}: more than the {len(x_train)} training images")
   cfg = ViTConfig(embed_dim=args.embed_dim, depth=args.depth, num_heads=args.num_heads, patch_size=args.patch_size,
                   img_size=fashion_mnist.IMG_SIZE, num_classes=len(fashion_mnist.CLASSES),
                   name=f"fmnist_vit_d{args.embed_dim}_l{args.depth}_p{args.patch_size}")
@@ -114,17 +119,21 @@ def train(args) -> dict:
     perm = rng.permutation(len(x_train))
     flips = rng.random(len(x_train)) < 0.5
     losses = []
+    done = epoch * steps_per_epoch  # steps before this epoch
     for s in range(steps_per_epoch):
       idx = perm[s * args.batch_size:(s + 1) * args.batch_size]
       params, opt_state, loss = step(params, opt_state, x_train[idx], y_train[idx], flips[idx])
       losses.append(loss)
+      if s:  # the previous step's loss, read while this one runs
+        train_checks.check_finite(done + s, args.lr, loss=float(losses[-2]))
+    train_checks.check_finite(done + steps_per_epoch, args.lr, loss=float(losses[-1]), params=params)
     mean_loss = float(np.mean(jax.device_get(losses)))
     acc = accuracy(params) if (epoch + 1) % args.eval_every == 0 or epoch + 1 == args.epochs else None
     history.append(dict(epoch=epoch + 1, loss=mean_loss, test_accuracy=acc))
     acc_s = f", clean test accuracy {100 * acc:.2f}%" if acc is not None else ""
     print(f"epoch {epoch + 1}/{args.epochs}: loss {mean_loss:.4f}{acc_s} ({time.time() - t0:.0f} s)", flush=True)
   return dict(cfg=cfg, params=jax.device_get(params), accuracy=history[-1]["test_accuracy"], history=history,
-              n_params=n_params, seconds=time.time() - t0)
+              n_params=n_params, train_images=len(x_train), seconds=time.time() - t0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -144,10 +153,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--train-limit", type=int, help="train on the first N images only (quick checks)")
   p.add_argument("--eval-every", type=int, default=5, help="test accuracy every N epochs (and at the end)")
   a = p.parse_args(argv)
-  if a.epochs < 1 or a.batch_size < 1 or a.eval_every < 1:
-    raise UserError("--epochs, --batch-size and --eval-every must be positive")
+  train_checks.check_flags(a, positive=("epochs", "batch_size", "embed_dim", "depth", "num_heads", "patch_size",
+                                        "train_limit", "eval_every"), positive_floats=("lr",),
+                           non_negative_floats=("weight_decay",))
   if 32 % a.patch_size or a.embed_dim % a.num_heads:
     raise UserError("--patch-size must divide 32 and --num-heads must divide --embed-dim")
+  files.check_output_dir(a.out, "--out")
   if os.path.exists(a.out) and not a.force:
     raise UserError(f"{a.out}: exists (pass --force to overwrite)")
 
@@ -157,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   digest = params_digest(r["params"])
   meta = checkpoint.make_meta(r["cfg"], PREPROCESSING, source="experiments/train_source.py")
   meta["training"] = dict(seed=a.seed, epochs=a.epochs, batch_size=a.batch_size, lr=a.lr, weight_decay=a.weight_decay,
-                          train_images=a.train_limit or 60000, clean_test_accuracy=r["accuracy"],
+                          train_images=r["train_images"], clean_test_accuracy=r["accuracy"],
                           history=r["history"], params_sha256=digest, n_params=r["n_params"])
   checkpoint.save(a.out, r["params"], meta, force=a.force)
   print(json.dumps(dict(out=a.out, clean_test_accuracy=r["accuracy"], params_sha256=digest,

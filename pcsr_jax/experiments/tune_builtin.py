@@ -52,7 +52,7 @@ def best(rows: list[dict], method: str) -> dict:
 
 def write(rows: list[dict], source_mean: float, images: int, results: str) -> dict:
   """Writes tune_builtin.json and .md; returns the chosen args per method."""
-  from pcsr_jax.data import corruptions
+  from pcsr_jax.data.generators import corruptions
 
   rows.sort(key=lambda r: (list(GRID).index(r["method"]), r["grid_index"]))
   winners = {m: best(rows, m) for m in GRID if any(r["method"] == m for r in rows)}
@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--cache-dir")
   a = p.parse_args(argv)
   from pcsr_jax import harness
-  from pcsr_jax.data import corruptions
+  from pcsr_jax.data.generators import corruptions
 
   t0 = time.time()
   ms = [m.strip() for m in a.methods.split(",") if m.strip()]

@@ -16,11 +16,18 @@ from pcsr_jax.experiments import common
 PRESETS = {"wild": dict(severity=5, batch_size=64, seeds=(2022, 2023, 2024))}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-  p = common.parser("wild.py", __doc__.split("\n\n")[0], PRESETS)
-  a = p.parse_args(argv)
-  common.start_devices(a)
-  common.run_table(a, PRESETS, "wild", {"label_shifts": dict(setting="label_shifts"),
-                                        "mix_shifts": dict(setting="mix_shifts")}, "setting")
-  return 0
+def parser() -> common.ArgumentParser:
+  return common.parser("wild.py", __doc__.split("\n\n")[0], PRESETS)
 
+
+def configs(a) -> dict:
+  """``{setting: RunConfig}`` of the flags: the label-shift and the mixed-shift run."""
+  return common.table_configs(a, PRESETS, "wild", {"label_shifts": dict(setting="label_shifts"),
+                                                   "mix_shifts": dict(setting="mix_shifts")}, owned=("setting",))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  a = parser().parse_args(argv)
+  common.start_devices(a)
+  common.run_many(configs(a), a.output, "setting")
+  return 0

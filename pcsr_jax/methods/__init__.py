@@ -4,12 +4,17 @@
 entry is a `Method` class and the overrides that make a variant of it
 (``pcsr-frozen`` is `PCSR` with ``recipe='frozen'``), so variants run side by
 side under their own names. To add a method, write a `Method` subclass in a
-new file and add a line to ``REGISTRY``.
+new file and add a line to ``REGISTRY``; a method defined outside this package
+joins with ``register(name, cls)``, or from any command with
+``--methods package.module:Class`` (`load`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import os
+import sys
 import typing
 
 from pcsr_jax.errors import UserError, check_fields
@@ -55,6 +60,50 @@ REGISTRY: dict[str, tuple[type[Method], dict]] = {
 }
 
 
+def register(name: str, cls: type[Method], **overrides) -> str:
+  """Adds ``cls`` (a frozen `Method` dataclass) to the registry as ``name``, with the field ``overrides`` that make
+  it a variant (as ``pcsr-frozen``); every command then runs it by that name. Registering the same class and
+  overrides again is a no-op; another method under a taken name is refused. Returns ``name``."""
+  if not (isinstance(cls, type) and issubclass(cls, Method) and dataclasses.is_dataclass(cls)):
+    raise UserError(f"method {name}: {cls!r} is not a dataclass subclassing pcsr_jax.methods.Method")
+  if not name or any(c in name for c in "/,: "):
+    raise UserError(f"method name {name!r}: expected a non-empty name without '/', ',', ':' or spaces")
+  if name in REGISTRY and REGISTRY[name] != (cls, overrides):
+    raise UserError(f"method {name}: the name is taken by {REGISTRY[name][0].__module__}."
+                    f"{REGISTRY[name][0].__qualname__}")
+  check_fields(cls, overrides, name, "unknown hyperparameters")
+  REGISTRY[name] = (cls, dict(overrides))
+  return name
+
+
+def load(spec: str) -> str:
+  """``package.module:Class`` (``--methods``): imports the module, registers its `Method` class under the class's
+  own ``name`` (`register`) and returns that name; a registered name comes back as it is. The module is looked
+  up on ``sys.path`` and, after it, in the current folder (as ``python -m`` would: a ``my_methods.py`` beside
+  where the command runs)."""
+  if ":" not in spec:
+    return spec
+  module, _, attr = spec.partition(":")
+  if os.getcwd() not in sys.path:
+    sys.path.append(os.getcwd())
+  try:
+    cls = getattr(importlib.import_module(module), attr)
+  except ImportError as e:
+    raise UserError(f"--methods {spec}: cannot import {module} ({type(e).__name__}: {e})") from None
+  except AttributeError:
+    raise UserError(f"--methods {spec}: {module} has no {attr}") from None
+  name = getattr(cls, "name", None)
+  if not isinstance(name, str):
+    raise UserError(f"--methods {spec}: expected a Method class with a `name` (ClassVar[str]), got {cls!r}")
+  return register(name, cls)
+
+
+def origin(name: str) -> str:
+  """Where the registered method ``name`` comes from, as ``module:Class`` (results.json records it)."""
+  cls = REGISTRY[name][0]
+  return f"{cls.__module__}:{cls.__qualname__}"
+
+
 def get(name: str, **hyperparameters) -> Method:
   """The method registered as ``name`` with the given hyperparameters (over the variant's overrides)."""
   if name not in REGISTRY:
@@ -67,7 +116,7 @@ def get(name: str, **hyperparameters) -> Method:
 def coerce(cls: type, values: dict, name: str) -> dict:
   """Checks hyperparameters against the method's field types (from JSON: a list becomes a tuple, an int a
   float, in a tuple too); a wrong type is a one-line error, not a TypeError inside jit. The values' ranges
-  (finiteness included) are the fields' own (`base.field`), checked when the method is built."""
+  (finiteness included) are the fields' own (`hyperparameters.field`), checked when the method is built."""
   hints = typing.get_type_hints(cls)
   out = {}
   for k, v in values.items():
@@ -99,4 +148,5 @@ def _is_number(v) -> bool:
 
 
 __all__ = ["AdaContrast", "AdaptState", "CFA", "CMF", "CoTTA", "DDA", "DePTG", "DeYO", "EATA", "FOA", "MEMO",
-           "Method", "PCSR", "Prepared", "REGISTRY", "ROID", "SAR", "SPA", "Source", "T3A", "Tent", "get"]
+           "Method", "PCSR", "Prepared", "REGISTRY", "ROID", "SAR", "SPA", "Source", "T3A", "Tent", "get", "load",
+           "origin", "register"]

@@ -47,7 +47,9 @@ import optax
 
 from pcsr_jax import augment
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import AdaptState, Method, Prepared, features_and_logits, field, merge
+from pcsr_jax.methods.base import AdaptState, Method, Prepared, merge
+from pcsr_jax.methods.hyperparameters import field
+from pcsr_jax.methods.rows import features_and_logits
 
 Array = jax.Array
 

@@ -35,8 +35,10 @@ import numpy as np
 import optax
 
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import (Method, Prepared, features_and_logits, field, image_shape, is_layernorm_param,
-                                   merge, sgd)
+from pcsr_jax.methods.base import Method, Prepared, image_shape, is_layernorm_param, merge
+from pcsr_jax.methods.hyperparameters import field
+from pcsr_jax.methods.optimizers import sgd
+from pcsr_jax.methods.rows import features_and_logits
 
 SAVE_MAX_MOMENT = 5  # main.py --save_max_moment: the statistics hold moments 1..5
 VALUE_RANGE = 2.0  # value_max - value_min of tanh's output

@@ -35,7 +35,7 @@ import flax
 import jax
 import jax.numpy as jnp
 
-from pcsr_jax.methods.base import field
+from pcsr_jax.methods.hyperparameters import field
 from pcsr_jax.methods.roid import ROIDBase, ema
 
 Array = jax.Array

@@ -57,7 +57,8 @@ import optax
 from pcsr_jax import losses
 from pcsr_jax.augment import cotta_augment, denormalize, normalize
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import AdaptState, Method, Params, Path, Prepared, field, split
+from pcsr_jax.methods.base import AdaptState, Method, Params, Path, Prepared, split
+from pcsr_jax.methods.hyperparameters import field
 
 Array = jax.Array
 

@@ -88,7 +88,8 @@ from jax.sharding import PartitionSpec as P
 
 from pcsr_jax import augment, diffusion, losses
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import Method, Prepared, field
+from pcsr_jax.methods.base import Method, Prepared
+from pcsr_jax.methods.hyperparameters import field
 
 Array = jax.Array
 
@@ -210,9 +211,16 @@ class DDA(Method):
                       f"(respacing {self.respacing!r}), got {self.N}")
     return sched
 
-  def check_inputs(self) -> None:
-    """``unet`` names a diffusion checkpoint that fits ``respacing`` and ``N`` (its metadata only: the
-    weights load in `prepare`)."""
+  def check_inputs(self, model, params, batch_size):
+    """``unet`` names a diffusion checkpoint that loads whole (readable, finite params that match its metadata)
+    and fits the classifier (its channels, unconditional, ``D`` within its image size), ``respacing`` and
+    ``N``. The harness calls this before any work; `prepare` loads the UNet again (twice the read of its
+    weights, against a run that stopped after the other methods' work for a damaged file)."""
+    del params, batch_size
+    self._load_unet(model)
+
+  def _load_unet(self, model: nn.Module) -> tuple[nn.Module, Any, Mapping[str, Any]]:
+    """The UNet module, its params and metadata, checked (`check_inputs`)."""
     from pcsr_jax import checkpoint
 
     if not self.unet:
@@ -225,21 +233,15 @@ class DDA(Method):
       raise UserError(f"dda unet {self.unet}: a classifier checkpoint ({meta.get('arch')}), not a diffusion model; "
                       f"{MAKE_ONE}")
     self._schedule(meta)
+    try:
+      unet, unet_params, meta = checkpoint.load(self.unet)
+    except UserError as e:
+      raise UserError(f"dda unet: {e}") from None
+    self._check_unet(model, unet.config)
+    return unet, unet_params, meta
 
-  def prepare(self, model, params, rng, batch_size):
-    from pcsr_jax import checkpoint
-
-    del rng, batch_size
-    self.check_inputs()
-    unet, unet_params, meta = checkpoint.load(self.unet)
-    return self.prepare_with(model, params, unet, unet_params, meta)
-
-  def prepare_with(self, model: nn.Module, params: Any, unet: nn.Module, unet_params: Any,
-                   meta: Mapping[str, Any]) -> DDAPrepared:
-    """`prepare` with the UNet given: ``unet.apply({'params': unet_params}, x, t)`` and its metadata (the
-    diffusion settings, `diffusion_settings`). The module's ``config`` gives ``image_size`` and ``in_channels``."""
-    _, _, learn_sigma = diffusion_settings(meta)
-    cfg = unet.config
+  def _check_unet(self, model: nn.Module, cfg: Any) -> None:
+    """The UNet's config (``in_channels``, ``class_cond``, ``image_size``) against the classifier and ``D``."""
     if cfg.in_channels != model.config.in_chans:
       raise UserError(f"dda unet {self.unet}: a {cfg.in_channels}-channel model for a {model.config.in_chans}-channel "
                       f"classifier")
@@ -248,6 +250,19 @@ class DDA(Method):
                       f"(256x256_diffusion_uncond)")
     if cfg.image_size // self.D < 1:
       raise UserError(f"dda D: expected at most the UNet's image size {cfg.image_size}, got {self.D}")
+
+  def prepare(self, model, params, rng, batch_size):
+    del rng, batch_size
+    unet, unet_params, meta = self._load_unet(model)
+    return self.prepare_with(model, params, unet, unet_params, meta)
+
+  def prepare_with(self, model: nn.Module, params: Any, unet: nn.Module, unet_params: Any,
+                   meta: Mapping[str, Any]) -> DDAPrepared:
+    """`prepare` with the UNet given: ``unet.apply({'params': unet_params}, x, t)`` and its metadata (the
+    diffusion settings, `diffusion_settings`). The module's ``config`` gives ``image_size`` and ``in_channels``."""
+    _, _, learn_sigma = diffusion_settings(meta)
+    cfg = unet.config
+    self._check_unet(model, cfg)
     if jax.default_backend() == "cpu":
       # guided-diffusion's UNet: its convolutions as matmuls and its GroupNorms from per-channel sums with a
       # closed-form backward, the faster on XLA:CPU (`pcsr_jax.models.unet`'s docstring; the same values up to

@@ -15,7 +15,9 @@ is VisDA-C's (offline, 15 epochs over a bank of the whole target set). What this
   head and the student's DINO heads; SGD Nesterov, momentum 0.9, lr 5e-3 for all (``get_target_optimizer``
   gives both groups the same lr), weight decay 1e-4; per-tensor gradient clipping at 1.0
   (``utils.clip_gradients``: each tensor's gradient times ``min(1, 1 / (||g|| + 1e-6))``) on the student ViT's
-  tensors (prompts, head), not on the DINO heads, which lie outside ``model.student``.
+  tensors (prompts, head), not on the DINO heads, which lie outside ``model.student``. Each stage's prompts are
+  their own tensor there (``classifier.py``'s ``prompt_list[i]``, an ``nn.ParameterList``), so the stacked
+  ``prompts`` ``[S, P, D]`` here is clipped per stage: stage ``i``'s gradient by the norm over its ``[P, D]``.
 * Per batch (``train_epoch``), views per sample: weak (``Resize((256, 256))`` -> ``RandomCrop(224)`` ->
   h-flip; at other input sizes the resize is ``round(S * 256 / 224)``) and two strong ones
   (``RandomResizedCrop(scale (0.2, 1))``, flip, colour jitter (0.4, 0.4, 0.4, 0.1) p 0.8, greyscale p 0.2,
@@ -75,6 +77,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import zipfile
+import zlib
 from typing import Any, Callable, ClassVar, Optional
 
 import flax
@@ -87,8 +91,11 @@ from flax import traverse_util
 from pcsr_jax import augment, files
 from pcsr_jax.errors import UserError
 from pcsr_jax.methods.adacontrast import knn_probs, ring_write
-from pcsr_jax.methods.base import AdaptState, Method, Prepared, in_row_passes, field, merge
+from pcsr_jax.methods.base import AdaptState, Method, Prepared, merge
+from pcsr_jax.methods.hyperparameters import field
+from pcsr_jax.methods.rows import in_row_passes
 from pcsr_jax.models import prompted
+from pcsr_jax.models.vit import VisionTransformer
 
 Array = jax.Array
 Params = Any
@@ -139,14 +146,28 @@ def read_record(directory: Optional[str]) -> dict:
 
 
 def load_prompts(directory: Optional[str]) -> tuple[prompted.PromptConfig, Params, dict]:
-  """``(prompt config, params, record)`` of a folder written by `save_prompts`; its npz checked by SHA-256."""
+  """``(prompt config, params, record)`` of a folder written by `save_prompts`, its npz read whole and checked
+  (one-line `UserError`): a readable npz (a truncated one fails to open, damaged array bytes fail the zip's
+  CRC-32 as they are read), float arrays, every value finite, and the SHA-256 that ``record.json`` records (last,
+  so that a damaged file gets the more telling of the other messages). What the arrays must be for a given model
+  is `DePTG.check_inputs`'s."""
   record = read_record(directory)
   path = os.path.join(directory, ARRAYS)
+  try:
+    with np.load(path, allow_pickle=False) as z:
+      flat = {tuple(k.split("/")): np.asarray(z[k]) for k in z.files}
+  except (OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error) as e:
+    raise UserError(f"dept-g prompts {path}: not a readable npz, damaged or cut short ({type(e).__name__}: {e}); "
+                    f"train them again") from None
+  for k, v in flat.items():
+    if not np.issubdtype(v.dtype, np.floating):
+      raise UserError(f"dept-g prompts {path}: {'/'.join(k)} holds {v.dtype}, expected float32; train them again")
+    if not np.isfinite(v).all():
+      raise UserError(f"dept-g prompts {path}: {'/'.join(k)} holds {int(np.size(v) - np.isfinite(v).sum())} "
+                      f"non-finite values, expected all finite; train them again")
   if files.sha256(path) != record.get("params_npz_sha256"):
     raise UserError(f"dept-g prompts {path}: its SHA-256 is not the one {RECORD} records (changed or damaged); "
                     f"train them again")
-  with np.load(path) as z:
-    flat = {tuple(k.split("/")): np.asarray(z[k]) for k in z.files}
   return record["prompt_config"], traverse_util.unflatten_dict(flat), record
 
 
@@ -204,15 +225,23 @@ def prompt_diversity(distances: Array, weights: np.ndarray, w: Array) -> Array:
   return sum(weights[s] * -masked_mean(distances[:, s], w) for s in range(distances.shape[1]))
 
 
-def clip_per_tensor(grads: Params, clip: float, include: Callable[[tuple[str, ...]], bool]) -> Params:
-  """``utils.clip_gradients``: each included tensor's gradient times ``min(1, clip / (||g|| + 1e-6))``."""
+def clip_per_tensor(grads: Params, clip: float, include: Callable[[tuple[str, ...]], bool],
+                    stacked: Callable[[tuple[str, ...]], bool] = lambda path: False) -> Params:
+  """``utils.clip_gradients``: each included tensor's gradient times ``min(1, clip / (||g|| + 1e-6))``.
+
+  A param for which ``stacked(path)`` holds is a stack of tensors that the official code keeps apart (the
+  ``prompts`` ``[S, P, D]``: ``prompt_list[i]``, one ``[1, P, D]`` tensor per stage): each slice along its first
+  axis is clipped by its own norm, as the official loop over ``named_parameters()`` clips each stage's."""
   if not clip:
     return grads
 
   def one(path, g):
-    if not include(tuple(k.key for k in path)):
+    path = tuple(k.key for k in path)
+    if not include(path):
       return g
-    return g * jnp.minimum(clip / (jnp.linalg.norm(g.ravel()) + 1e-6), 1.0)
+    axes = tuple(range(1, g.ndim)) if stacked(path) else None
+    norm = jnp.sqrt(jnp.sum(jnp.square(g), axis=axes, keepdims=True))
+    return g * jnp.minimum(clip / (norm + 1e-6), 1.0)
 
   return jax.tree_util.tree_map_with_path(one, grads)
 
@@ -220,6 +249,11 @@ def clip_per_tensor(grads: Params, clip: float, include: Callable[[tuple[str, ..
 def is_student_vit(path: tuple[str, ...]) -> bool:
   """The params of ``model.student`` (the prompted ViT), i.e. not the DINO heads."""
   return not path[0].startswith("dino_")
+
+
+def is_prompts(path: tuple[str, ...]) -> bool:
+  """The stacked ``[S, P, D]`` prompts (one official tensor per stage: `clip_per_tensor` clips them per stage)."""
+  return path[0] == prompted.EXTRA
 
 
 def student_outputs(prep: Prepared, params: Params, images: Array
@@ -268,7 +302,7 @@ class DePTG(Method):
   momentum: float = field(0.9, "[0, 1)")
   weight_decay: float = field(1e-4, ">= 0")
   nesterov: bool = True
-  clip_grad: float = field(1.0, ">= 0")  # per tensor, student ViT only; 0: off
+  clip_grad: float = field(1.0, ">= 0")  # per tensor (prompts: per stage), student ViT only; 0: off
   ema: float = field(0.99, "[0, 1]")  # teacher momentum (model.m)
   teacher_temp: float = field(0.07, "> 0")
   student_temp: float = field(0.1, "> 0")
@@ -295,9 +329,44 @@ class DePTG(Method):
     if self.crop_scale[0] > self.crop_scale[1]:
       raise UserError(f"dept-g crop_scale: expected (low, high) with low <= high, got {self.crop_scale}")
 
-  def check_inputs(self) -> None:
-    """The prompts folder exists and is train_prompts.py's (before any work; its arrays are read in `prepare`)."""
-    read_record(self.prompts)
+  def check_inputs(self, model: VisionTransformer, params: Params, batch_size: int) -> None:
+    """Every check of the method's inputs, each a one-line `UserError` naming the folder or file and what was
+    expected; the harness calls it before any work, `prepare` before it builds anything. ``queue_size`` at least
+    ``batch_size``; the prompts folder train_prompts.py's, its npz complete, finite and the one its record hashes
+    (`load_prompts`); the record's ``checkpoint_sha256`` this checkpoint's (`checkpoint.params_digest` of
+    ``params``); its prompt config valid for ``model`` (stages dividing the depth); and every array of the npz
+    present with the shape that ``model`` under that prompt config needs (the prompts ``[stages, prompts,
+    embed_dim]``, the DINO heads, the head; any backbone param after ``--finetune-backbone`` the checkpoint's
+    shape), no other key."""
+    from pcsr_jax.checkpoint import params_digest
+
+    if self.queue_size < batch_size:
+      raise UserError(f"dept-g queue_size: expected at least the batch size ({batch_size}), got {self.queue_size}")
+    prompt, trained, record = load_prompts(self.prompts)
+    path = os.path.join(self.prompts, ARRAYS)
+    if record.get("checkpoint_sha256") != params_digest(params):
+      raise UserError(f"dept-g prompts {self.prompts}: trained from another checkpoint (its {RECORD}'s "
+                      f"checkpoint_sha256 differs from this checkpoint's params); {MAKE_THEM}")
+    prompt.check(model.config.depth, f"dept-g prompts {self.prompts}:")
+    shapes = jax.eval_shape(lambda: prompted.init_extra(prompted.create(model, prompt), jax.random.key(0)))
+    want = {k: tuple(v.shape) for k, v in traverse_util.flatten_dict(dict(shapes, head=params["head"])).items()}
+    backbone = {k: tuple(np.shape(v)) for k, v in traverse_util.flatten_dict(dict(params)).items()}
+    config = (f"{prompt.stages} stages x {prompt.prompts} prompts of this model's {model.config.embed_dim} dims "
+              f"({RECORD}'s prompt_config)")
+    got = traverse_util.flatten_dict(trained)
+    for k, shape in sorted(want.items(), key=lambda kv: kv[0][0] != prompted.EXTRA):  # the prompts first
+      if k not in got:
+        raise UserError(f"dept-g prompts {path}: no {'/'.join(k)}, expected one of shape {shape} for {config}")
+      if tuple(got[k].shape) != shape:
+        raise UserError(f"dept-g prompts {path}: {'/'.join(k)} has shape {tuple(got[k].shape)}, expected {shape} "
+                        f"for {config}")
+    for k, v in got.items():
+      if k not in want and k not in backbone:
+        raise UserError(f"dept-g prompts {path}: {'/'.join(k)} is no param of this model, expected only the "
+                        f"prompts, DINO heads, head (and backbone params after --finetune-backbone)")
+      if k not in want and tuple(v.shape) != backbone[k]:
+        raise UserError(f"dept-g prompts {path}: {'/'.join(k)} has shape {tuple(v.shape)}, expected the "
+                        f"checkpoint's {backbone[k]}")
 
   def is_trainable(self, path: tuple[str, ...]) -> bool:
     if path[0] == prompted.EXTRA:
@@ -307,32 +376,18 @@ class DePTG(Method):
     return self.adapt_head and path[0] == "head"
 
   def prepare(self, model, params, rng, batch_size):
-    from pcsr_jax.checkpoint import params_digest
-
+    """The prompted model and the checkpoint's params with the prompts folder's arrays in place. Every check is
+    `check_inputs`'s (one code path; it reads the folder, which is read once more here for the arrays: small,
+    and the same checks of `load_prompts` run on that read)."""
     del rng
-    if self.queue_size < batch_size:
-      raise UserError(f"dept-g queue_size: expected at least the batch size ({batch_size}), got {self.queue_size}")
-    prompt, trained, record = load_prompts(self.prompts)
-    if record.get("checkpoint_sha256") != params_digest(params):
-      raise UserError(f"dept-g prompts {self.prompts}: trained from another checkpoint (its record's "
-                      f"checkpoint_sha256 differs from this checkpoint's params); {MAKE_THEM}")
-    prompt.check(model.config.depth, f"dept-g prompts {self.prompts}:")
-    pm = prompted.create(model, prompt)
-    shapes = jax.eval_shape(lambda: prompted.init_extra(pm, jax.random.key(0)))
-    want = {k: v.shape for k, v in traverse_util.flatten_dict(dict(shapes, head=params["head"])).items()}
-    got = traverse_util.flatten_dict(trained)
-    for k, shape in want.items():
-      if k not in got or tuple(got[k].shape) != tuple(shape):
-        raise UserError(f"dept-g prompts {self.prompts}: {'/'.join(k)} has shape "
-                        f"{tuple(got[k].shape) if k in got else 'missing'}, the model needs {tuple(shape)}")
+    self.check_inputs(model, params, batch_size)
+    prompt, trained, _ = load_prompts(self.prompts)
     full = traverse_util.flatten_dict(dict(params))
-    for k, v in got.items():
-      if k not in full and k not in want:
-        raise UserError(f"dept-g prompts {self.prompts}: {'/'.join(k)} is no param of this model")
-      full[k] = jnp.asarray(v)
+    full.update({k: jnp.asarray(v) for k, v in traverse_util.flatten_dict(trained).items()})
     tx = optax.chain(optax.add_decayed_weights(self.weight_decay),  # torch SGD: g + wd * p, then momentum
                      optax.sgd(self.lr, momentum=self.momentum or None, nesterov=self.nesterov))
-    return Prepared(pm, traverse_util.unflatten_dict(full), is_trainable=self.is_trainable, tx=tx)
+    return Prepared(prompted.create(model, prompt), traverse_util.unflatten_dict(full),
+                    is_trainable=self.is_trainable, tx=tx)
 
   def init_extra(self, prep, trainable, opt_state):
     c, pc = prep.model.config, prep.model.prompt
@@ -388,7 +443,7 @@ class DePTG(Method):
       return loss, (logits, loss_cls, loss_dino, loss_prompt, loss_div, loss_pdiv)
 
     (loss, (logits, *parts)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.trainable)
-    grads = clip_per_tensor(grads, self.clip_grad, is_student_vit)
+    grads = clip_per_tensor(grads, self.clip_grad, is_student_vit, is_prompts)
     state = self.apply_gradients(prep, state, grads)
 
     feats_b, logits_b = feature_logits(prep, merge(frozen, teacher), weak)

@@ -18,7 +18,7 @@
 * The reported prediction is the first forward's (before the update).
 
 Differences in form, not in result: x' of filter 1's samples only is forwarded, as in the official code,
-gathered into chunks of one fixed size (`pcsr_jax.methods.base.kept_row_chunks`; a ViT treats samples
+gathered into chunks of one fixed size (`pcsr_jax.methods.rows.kept_row_chunks`; a ViT treats samples
 independently, so the numbers are the same). The official code resizes an image whose width is not a
 multiple of ``patch_len`` to one and back (bilinear); that resize is not reproduced: such an image size is
 refused (224 and the test models' 32 are multiples of 4). The patch permutations come from the state's key,
@@ -36,8 +36,10 @@ import jax.numpy as jnp
 
 from pcsr_jax import losses
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import (Method, Prepared, field, is_block_layernorm_param, kept_row_chunks, sar_code_lr,
-                                   sgd, shard_rows)
+from pcsr_jax.methods.base import Method, Prepared, is_block_layernorm_param
+from pcsr_jax.methods.hyperparameters import field
+from pcsr_jax.methods.optimizers import sar_code_lr, sgd
+from pcsr_jax.methods.rows import kept_row_chunks, shard_rows
 
 Array = jax.Array
 

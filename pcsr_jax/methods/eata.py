@@ -35,7 +35,9 @@ from flax import traverse_util
 
 from pcsr_jax import losses
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import Method, Prepared, field, is_layernorm_param, merge, sar_code_lr, sgd
+from pcsr_jax.methods.base import Method, Prepared, is_layernorm_param, merge
+from pcsr_jax.methods.hyperparameters import field
+from pcsr_jax.methods.optimizers import sar_code_lr, sgd
 
 PROBS_MOMENTUM = 0.9  # update_model_probs: 0.9 * m + (1 - 0.9) * mean(new probs)
 

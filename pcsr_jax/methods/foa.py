@@ -45,7 +45,9 @@ import optax
 from pcsr_jax import losses
 from pcsr_jax.cmaes import CMAES, CMAState
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import Method, Prepared, field, image_shape, in_row_passes, merge
+from pcsr_jax.methods.base import Method, Prepared, image_shape, merge
+from pcsr_jax.methods.hyperparameters import field
+from pcsr_jax.methods.rows import in_row_passes
 
 Array = jax.Array
 

@@ -45,7 +45,9 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from pcsr_jax import augment
-from pcsr_jax.methods.base import AdaptState, Method, Prepared, field, shard_rows
+from pcsr_jax.methods.base import AdaptState, Method, Prepared
+from pcsr_jax.methods.hyperparameters import field
+from pcsr_jax.methods.rows import shard_rows
 
 Array = jax.Array
 

@@ -56,9 +56,11 @@ import jax.numpy as jnp
 import optax
 
 from pcsr_jax import losses
-from pcsr_jax.methods.base import (AUTHORS_SKIP_BLOCKS, RESET_OPTIMIZER, Method, Prepared, Recovery, field,
-                                   group_sgd, is_block_layernorm_param, is_layernorm_param, merge, parallel,
-                                   recover, sam_perturb, sar_code_lr, split)
+from pcsr_jax.methods.base import (AUTHORS_SKIP_BLOCKS, Method, Prepared, is_block_layernorm_param, is_layernorm_param,
+                                   merge, split)
+from pcsr_jax.methods.hyperparameters import field
+from pcsr_jax.methods.optimizers import (RESET_OPTIMIZER, Recovery, group_sgd, parallel, recover, sam_perturb,
+                                         sar_code_lr)
 from pcsr_jax.models import pcsr
 from pcsr_jax.models.vit import init_params
 

@@ -50,8 +50,9 @@ import jax.numpy as jnp
 import optax
 
 from pcsr_jax import augment, losses
-from pcsr_jax.methods.base import (AdaptState, Method, Prepared, field, is_layernorm_param, kept_row_chunks,
-                                   shard_rows)
+from pcsr_jax.methods.base import AdaptState, Method, Prepared, is_layernorm_param
+from pcsr_jax.methods.hyperparameters import field
+from pcsr_jax.methods.rows import kept_row_chunks, shard_rows
 
 Array = jax.Array
 Params = Any

@@ -41,8 +41,9 @@ import jax
 import jax.numpy as jnp
 
 from pcsr_jax import losses
-from pcsr_jax.methods.base import (RESET_OPTIMIZER, SAR_SKIP_BLOCKS, Method, Prepared, Recovery, field,
-                                   is_block_layernorm_param, recover, sam_perturb, sar_code_lr, sgd)
+from pcsr_jax.methods.base import SAR_SKIP_BLOCKS, Method, Prepared, is_block_layernorm_param
+from pcsr_jax.methods.hyperparameters import field
+from pcsr_jax.methods.optimizers import RESET_OPTIMIZER, Recovery, recover, sam_perturb, sar_code_lr, sgd
 
 
 @dataclasses.dataclass(frozen=True)

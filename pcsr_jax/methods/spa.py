@@ -53,8 +53,10 @@ import numpy as np
 from pcsr_jax import losses
 from pcsr_jax.augment import spa_amplitude_mask, spa_patch_noise
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import (Method, Prepared, field, group_sgd, in_row_passes, is_layernorm_param, merge,
-                                   parallel)
+from pcsr_jax.methods.base import Method, Prepared, is_layernorm_param, merge
+from pcsr_jax.methods.hyperparameters import field
+from pcsr_jax.methods.optimizers import group_sgd, parallel
+from pcsr_jax.methods.rows import in_row_passes
 
 Array = jax.Array
 

@@ -47,7 +47,9 @@ import optax
 
 from pcsr_jax import losses
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import Method, Prepared, field, in_row_passes, merge
+from pcsr_jax.methods.base import Method, Prepared, merge
+from pcsr_jax.methods.hyperparameters import field
+from pcsr_jax.methods.rows import in_row_passes
 
 Array = jax.Array
 

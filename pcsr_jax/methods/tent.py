@@ -13,7 +13,9 @@ from typing import ClassVar, Optional
 import jax
 
 from pcsr_jax import losses
-from pcsr_jax.methods.base import Method, Prepared, field, is_layernorm_param, sar_code_lr, sgd
+from pcsr_jax.methods.base import Method, Prepared, is_layernorm_param
+from pcsr_jax.methods.hyperparameters import field
+from pcsr_jax.methods.optimizers import sar_code_lr, sgd
 
 
 @dataclasses.dataclass(frozen=True)

@@ -93,7 +93,7 @@ def default_preprocessing(img_size: int) -> dict[str, Any]:
   """timm's pretrained config for the augreg ViT weights.
 
   mean = std = 0.5 (not the ImageNet statistics SAR's code used; see the
-  normalization trap in the README), bicubic, crop_pct 0.9 at 224 px and 1.0 at
+  normalization trap in docs/weights.md), bicubic, crop_pct 0.9 at 224 px and 1.0 at
   384 px.
   """
   return dict(mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), interpolation="bicubic",

@@ -40,12 +40,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Any, Callable, Mapping, Sequence
+import math
+import numbers
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 from PIL import Image
 
-from pcsr_jax.data import corruptions, generated
+from pcsr_jax.data.generators import corruptions, generated
 from pcsr_jax.errors import UserError
 
 VERSION = 1  # bump when the plan or the pixels of a position change (it is part of `CCCSource.describe`)
@@ -54,6 +56,17 @@ TARGETS = (0, 20, 40)  # CCC-Hard, -Medium, -Easy (the baseline's accuracy in %)
 SPEEDS = (1000, 2000, 5000)
 LENGTH = 7_500_000  # images in a CCC run
 STRENGTHS = ("cifar", "imagenet")
+# `make_plan`'s bounds. The plan holds 4 bytes per image (``image``, int32) and 12 per walk step (``c1``, ``c2``,
+# ``s1``, ``s2``, ``start``). Measured with tracemalloc (14 corruptions, a 49,500-image pool): a 5M-image plan
+# peaks at 4.1 bytes per image at speeds 1000 and 5000, a 100k-image one at 16.6 at speed 1. Ten CCC runs are
+# then at most 0.29 GiB at CCC's speeds and 1.2 GiB at speed 1. A speed above the length only cuts the first
+# step, so the speed has the same bound.
+MAX_LENGTH = 10 * LENGTH
+MAX_SPEED = MAX_LENGTH
+# results.json records the walk step by step (`Plan.walk`: about 81 bytes of JSON a step): CCC's longest run at
+# its slowest speed is 7,500 steps; ten times CCC's length at its slowest, 75,000. At most 100,000 steps (8 MB).
+MAX_STEPS = 100_000
+MIN_CLEAN_ACCURACY = 1.0  # %: a model at or below it has no accuracy to walk down from
 
 # The corruptions walked for each target (``generate.py``), in our names ("elastic" and "jpeg" there).
 # Those too mild to reach a target even at severity 5 are left out: brightness always; JPEG, pixelate and
@@ -69,6 +82,48 @@ _CROP_KEY = 0x63726F70  # separates the crop's random stream from the others key
 def noises_for(target: float) -> tuple[str, ...]:
   """The corruption list CCC uses for ``target`` (its thresholds: >= 40, >= 20, else)."""
   return NOISES[40] if target >= 40 else NOISES[20] if target >= 20 else NOISES[0]
+
+
+def curves_problem(curves: Any, noises: Sequence[str], grid: np.ndarray = GRID) -> str:
+  """Why ``curves`` is not a calibration of ``noises`` over ``grid`` ("" when it is): one curve per corruption
+  and no other, ``len(grid)`` accuracies each, every one a finite number in 0..100 (a percentage), and one clean
+  accuracy (``grid[0]`` = 0) shared by all the curves.
+
+  The one rule for every calibration: `calibrate` raises on a fresh one that breaks it, `make_plan` refuses
+  it, and ``pcsr_jax.ccc_stream`` rebuilds a cached one that breaks it (an edited or damaged cache file)."""
+  if not isinstance(curves, Mapping):
+    return f"expected a mapping of corruption to accuracies, got {type(curves).__name__}"
+  missing = [c for c in noises if c not in curves]
+  if missing:
+    return f"no curve for {', '.join(missing)}"
+  extra = sorted(str(c) for c in curves if c not in noises)
+  if extra:
+    return f"a curve for {extra[0]}, which the walk does not use"
+  clean = None
+  for c in noises:
+    v = curves[c]
+    if not isinstance(v, (list, tuple, np.ndarray)) or np.ndim(v) != 1 or len(v) != len(grid):
+      return f"{c}'s curve: expected {len(grid)} accuracies (one per severity of the grid), got {v!r:.60}"
+    for s, a in zip(grid, v):
+      what = "clean" if s == 0 else f"{c} {s:g}"
+      if isinstance(a, (bool, np.bool_)) or not isinstance(a, numbers.Real):
+        return f"accuracy {a!r:.30} at {what} is not a number"
+      if not (math.isfinite(a) and 0 <= a <= 100):
+        return f"accuracy {a} at {what} outside 0..100 (a percentage is expected)"
+    if clean is None:
+      clean = v[0]
+    elif v[0] != clean:
+      return f"{c}'s clean accuracy {v[0]} differs from {noises[0]}'s {clean}"
+  return ""
+
+
+def clean_problem(clean_accuracy: float) -> str:
+  """Why a model of this clean accuracy (%) cannot be walked ("" when it can): at `MIN_CLEAN_ACCURACY` or below
+  no pair of corruptions can bring it to a target, and a fraction (0..1) in place of a percentage lands there."""
+  if clean_accuracy <= MIN_CLEAN_ACCURACY:
+    return (f"clean accuracy {clean_accuracy:g}%: accuracies are percentages (0..100), and a model at "
+            f"{MIN_CLEAN_ACCURACY:g}% or less cannot hold a target")
+  return ""
 
 
 def find_path(acc: np.ndarray, target: float) -> list[tuple[int, int]]:
@@ -154,20 +209,20 @@ def calibrate(images: np.ndarray, labels: np.ndarray, accuracy_fn: Callable[[np.
   accuracy in percent (CCC's targets are percentages); ``corrupt_fn(images, corruption, severity)``: the
   corrupted uint8 images. ``grid[0]`` must be 0, no corruption: the clean accuracy, measured once on
   ``clean_fn(images)`` (what the stream does to an uncorrupted image, e.g. its JPEG round trip; default as is).
+  The curves are checked by `curves_problem` (a ``ValueError`` if ``accuracy_fn`` gives no percentages), the
+  rule a cached calibration is held to as well.
   """
   grid = np.asarray(grid, np.float64)
   if grid.ndim != 1 or len(grid) < 2 or grid[0] != 0 or not (np.diff(grid) > 0).all():
     raise ValueError(f"ccc grid: expected increasing severities from 0, got {grid.tolist()}")
 
-  def accuracy(x: np.ndarray, what: str) -> float:
-    a = float(accuracy_fn(x, labels))
-    if not 0 <= a <= 100:
-      raise ValueError(f"ccc calibration: accuracy {a} at {what} outside 0..100 (a percentage is expected)")
-    return a
-
-  clean = accuracy(images if clean_fn is None else clean_fn(images), "clean")
-  return {c: np.asarray([clean] + [accuracy(corrupt_fn(images, c, float(s)), f"{c} {s}") for s in grid[1:]])
-          for c in noises}
+  clean = float(accuracy_fn(images if clean_fn is None else clean_fn(images), labels))
+  curves = {c: np.asarray([clean] + [float(accuracy_fn(corrupt_fn(images, c, float(s)), labels)) for s in grid[1:]])
+            for c in noises}
+  why = curves_problem(curves, noises, grid)
+  if why:
+    raise ValueError(f"ccc calibration: {why}")
+  return curves
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # arrays inside: compare `digest`s
@@ -219,57 +274,74 @@ def _draw_other(rng: np.random.Generator, n: int, other: int) -> int:
       return x
 
 
+def check_steps(length: int, speed: int) -> None:
+  """At most `MAX_STEPS` walk steps of ``speed`` images over ``length`` images; else one line naming the flags."""
+  steps = -(-length // speed)
+  if steps > MAX_STEPS:
+    raise UserError(f"--ccc-speed {speed}: {steps:,} walk steps over {length:,} images, expected at most "
+                    f"{MAX_STEPS:,} (each is recorded in results.json); raise --ccc-speed or lower --ccc-length")
+
+
 def make_plan(curves: Mapping[str, np.ndarray], clean_accuracy: float, target: float, speed: int, length: int,
               pool: Sequence[int], seed: int, grid: np.ndarray = GRID) -> Plan:
   """The CCC walk for ``target`` (%) over the calibration ``curves`` (`calibrate`), ``length`` positions.
 
   ``pool``: the clean-source indices the stream may show (the calibration subset left out). The walk
   (pairs) and the images come from two Generators of ``seed``, and the last step's images are drawn in
-  full before the cut, so a plan is a prefix of any longer plan with the same arguments.
+  full before the cut, so a plan is a prefix of any longer plan with the same arguments. ``length`` and
+  ``speed`` are at most `MAX_LENGTH` and `MAX_SPEED` (the plan's memory grows with both).
   """
-  if clean_accuracy <= 1:
-    raise UserError(f"ccc: clean accuracy {clean_accuracy}: accuracies are percentages (0..100), and a "
-                    f"model at 1% or less has nothing to walk")
+  why = clean_problem(clean_accuracy)
+  if why:
+    raise UserError(f"ccc: {why}")
   if not 0 <= target <= 100:
     raise UserError(f"ccc target: expected a percentage 0..100, got {target}")
-  if speed < 1 or length < 1:
-    raise UserError(f"ccc: speed and length must be positive, got speed {speed}, length {length}")
+  for flag, v, top, note in (("--ccc-length", length, MAX_LENGTH, "10 x CCC's run; 4 bytes of plan per image"),
+                             ("--ccc-speed", speed, MAX_SPEED, "images per walk step, the longest length")):
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral) or not 1 <= v <= top:
+      raise UserError(f"{flag}: expected an integer 1 to {top:,} ({note}), got {v}")
+  speed, length = int(speed), int(length)
+  check_steps(length, speed)
   pool = np.asarray(pool, np.int64)
   if pool.ndim != 1 or len(pool) == 0 or pool.min() < 0 or pool.max() >= 2**31:
     raise UserError("ccc: the image pool must be a non-empty list of image indices")
   noises = noises_for(target)
-  missing = [c for c in noises if c not in curves]
-  if missing:
-    raise UserError(f"ccc calibration: no curve for {', '.join(missing)}")
   grid = np.asarray(grid, np.float64)
-  bad = [c for c in noises if np.shape(curves[c]) != grid.shape]
-  if bad:
-    raise UserError(f"ccc calibration: {bad[0]}'s curve has {np.size(curves[bad[0]])} values, the grid "
-                    f"{len(grid)}")
-  walks = {(a, b): find_path(pair_matrix(curves, noises[a], noises[b], clean_accuracy), target)
+  why = curves_problem({c: v for c, v in curves.items() if c in noises}, noises, grid)
+  if why:
+    raise UserError(f"ccc calibration: {why}")
+  walks = {(a, b): np.asarray(find_path(pair_matrix(curves, noises[a], noises[b], clean_accuracy), target), np.int8)
            for a in range(len(noises)) for b in range(len(noises)) if a != b}
+  # The steps: whole walks one after another, the last one cut; each walk's second corruption is the next's first.
+  n_steps = -(-length // speed)
+  c1, c2, s1, s2 = (np.empty(n_steps, np.int8) for _ in range(4))
   pair_rng = np.random.default_rng([seed, 0])
-  steps = []
   a = int(pair_rng.integers(len(noises)))
   b = _draw_other(pair_rng, len(noises), a)
-  n_steps = -(-length // speed)
-  while len(steps) < n_steps:
-    steps += [(a, b, i, j) for i, j in walks[(a, b)]]
+  t = 0
+  while t < n_steps:
+    path = walks[(a, b)][:n_steps - t]
+    c1[t:t + len(path)], c2[t:t + len(path)] = a, b
+    s1[t:t + len(path)], s2[t:t + len(path)] = path[:, 0], path[:, 1]
+    t += len(path)
     a, b = b, _draw_other(pair_rng, len(noises), b)
-  steps = np.asarray(steps[:n_steps])
+  # The images: each step's drawn in full (a plan is a prefix of a longer one), the part within the length kept.
   image_rng = np.random.default_rng([seed, 1])
-  image = np.empty(n_steps * speed, np.int32)
+  image = np.empty(length, np.int32)
   n = len(pool)
   for t in range(n_steps):
+    lo, hi = t * speed, min((t + 1) * speed, length)
     if speed <= n:
-      draw = image_rng.choice(n, speed, replace=False)
-    else:
-      draw = np.concatenate([image_rng.permutation(n) for _ in range(-(-speed // n))])[:speed]
-    image[t * speed:(t + 1) * speed] = pool[draw]
-  return Plan(seed=int(seed), target=float(target), speed=int(speed), length=int(length), noises=noises,
-              grid=grid, c1=steps[:, 0].astype(np.int8), c2=steps[:, 1].astype(np.int8),
-              s1=steps[:, 2].astype(np.int8), s2=steps[:, 3].astype(np.int8),
-              start=np.arange(n_steps, dtype=np.int64) * speed, image=image[:length])
+      image[lo:hi] = pool[image_rng.choice(n, speed, replace=False)[:hi - lo]]
+      continue
+    for first in range(lo, lo + speed, n):  # whole shuffles of the pool, one after another
+      order = image_rng.permutation(n)
+      if first < hi:
+        image[first:min(first + n, hi)] = pool[order[:hi - first]]
+  start = np.arange(n_steps, dtype=np.int64)
+  start *= speed  # in place: no second array of steps
+  return Plan(seed=int(seed), target=float(target), speed=speed, length=length, noises=noises, grid=grid,
+              c1=c1, c2=c2, s1=s1, s2=s2, start=start, image=image)
 
 
 def crop_params(width: int, height: int, rng: np.random.Generator, scale: tuple[float, float] = (0.08, 1.0),

@@ -24,7 +24,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from pcsr_jax import files
-from pcsr_jax.data import corruptions, fashion_mnist
+from pcsr_jax.data import fashion_mnist
+from pcsr_jax.data.generators import corruptions
 from pcsr_jax.errors import UserError
 
 VERSION = 1  # bump when a corruption function changes: old entries are then rebuilt
@@ -46,9 +47,11 @@ def _sha(a: np.ndarray) -> str:
 
 
 class Store:
-  """Corrupted copies of ``clean`` (the uint8 test images), generated on demand and cached."""
+  """Corrupted copies of ``clean`` (the uint8 test images), generated on demand and cached. ``seed``: the
+  corruption seed, 0 to 2**32 - 1 (`corruptions.check_seed`)."""
 
   def __init__(self, clean: np.ndarray, cache_dir: Optional[str] = None, seed: int = 0, log: Callable = print):
+    seed = corruptions.check_seed(seed)  # names the cache folder: a one-line error before anything is made
     self.clean, self.seed, self.log = clean, seed, log
     self.dir = os.path.join(cache_root(cache_dir), "fmnist_c", f"v{VERSION}_seed{seed}")
     self.source_digest = _sha(clean)[:16]
@@ -99,6 +102,9 @@ class Store:
 
     if not 1 <= n <= len(self.clean):
       raise UserError(f"images per corruption: expected 1 to {len(self.clean)}, got {n}")
+    for c, s in pairs:  # a bad name or severity: one line before any generating, not midway through
+      if c != CLEAN:
+        corruptions.params(c, s, "cifar")
     out, todo = {}, []
     for c, s in pairs:
       if c == CLEAN:

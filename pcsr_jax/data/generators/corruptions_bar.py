@@ -15,7 +15,7 @@ written for any square ``im_size`` and so are these) and ``c``, the csv level of
 (``TABLES[name][severity - 1]``, the official ``severity`` argument), and returns floats in 0..255 whose
 ``np.uint8`` truncation is the official output. Randomness comes from numpy's global generator, drawn in the
 official order (``sample_parameters``, then the ``RandomState`` seeded from it); `corrupt` seeds it per image
-from ``(seed, corruption, severity, image index)`` as `pcsr_jax.data.corruptions.corrupt` does. The release
+from ``(seed, corruption, severity, image index)`` as `pcsr_jax.data.generators.corruptions.corrupt` does. The release
 seeded once per dataset and generated in 10 workers, so its random draws cannot be reproduced image by image.
 
 Departures from the official code:
@@ -41,8 +41,8 @@ import numpy as np
 from scipy.fftpack import ifft2
 from scipy.ndimage import gaussian_filter
 
-from pcsr_jax.data import corruptions
-from pcsr_jax.data.corruptions import image_seed
+from pcsr_jax.data.generators import corruptions
+from pcsr_jax.data.generators.corruptions import image_seed
 from pcsr_jax.errors import UserError
 
 # imagenet_c_bar.csv, in its order (the order make_imagenet_c_bar.py generates them): severities 1..5.

@@ -46,7 +46,36 @@ What is exact and what is not (measured in ``benchmarks/device_corruptions.py`` 
   bilinearly at coordinates rounded to 1/32 pixel, as OpenCV's ``warpAffine`` does, with float
   weights (OpenCV's come from a 32-entry table); the plasma fractal is float32 like the package's
   (the release's was float64). shot_noise uses ``jax.random.poisson`` (a while loop per value): slow on a
-  CPU (~3 img/s on two cores), meant for accelerators.
+  CPU (~3 img/s on two cores), meant for accelerators; above `_POISSON_MAX` photons per value (no row of an
+  accepted severity gets there) it draws the count's normal limit instead.
+
+Small severities (issue 59; ``python -m benchmarks.device_small_severity``: every corruption at 21 severities
+from 1e-300 to 5, host vs device, on 16 224 px crops, ``--strength cifar`` on 32 px ones). A severity s in
+(0, 1) interpolates between row 0, "no corruption", and row 1, so a small s asks for a nearly clean image.
+`corruptions.MIN_FRACTIONAL_SEVERITY` (0.01) is the smallest above 0 that any path takes: `corruptions.params`
+and `BatchCorrupter` refuse the others (`BatchCorrupter` refuses 0 too: the device would apply row 0, e.g.
+9999 photons, where the host's severity 0 is the clean image untouched). From it to 5 every device corruption
+is within the distances above, with one to add:
+
+* defocus_blur below severity 1/3: its disk is one pixel, the identity. The host's ``cv2.filter2D`` (a DFT for
+  the 17 x 17 kernel) leaves float64 rounding noise of either sign on it and ``np.uint8`` truncates ~42% of
+  the values a level down; the device's convolution is exact and truncates none. 1 level on 42.3% of the values
+  before the JPEG, mean/max 1.21/18 after (saturate's order at severity 3), the mean squared change to the
+  clean image 1.3% below the host's.
+
+Below it (measured, hence refused): shot noise's 60 / s photons (500 / s at CIFAR strength) overflowed
+``jax.random.poisson``'s int32 counts below s ~3e-8 -- noise where the host's image is nearly clean (Source at
+10% where the host gave 86%, ``--severity 1e-10``) -- and drifted in variance from 1e6 photons per value on;
+with the normal limit it is within the host's distribution down to 1e-20, below which the host fails (numpy's
+``lam value too large`` from ~6.5e-18 on). contrast stops being bit for bit below 1e-3 (1e-4: 0.14% of the
+values a level apart, 1e-8: 55%; at CIFAR strength below 5e-3). Gaussian and speckle noise below ~1e-6 fall
+under float32's resolution of x / 255, so the device loses the host's truncation flips (after the JPEG the mean
+squared change 1.2% below the host's; without it, at CIFAR strength, 0 against ~0.5 level**2); so does fog at
+CIFAR strength below ~1e-6, and elastic's warps there, under 1/32 pixel below ~0.01, where the host's OpenCV
+warp still flips levels (at 0.01: the mean squared change 17 +- 9% below the host's, over 32 crops). Host only:
+motion blur's kernel is NaN at 1e-300 (its sigma squared underflows). A gaussian_blur or elastic sigma at or
+below 1e-15 is the identity on the device, as scipy's ``gaussian_filter`` (the host's) treats it, where
+``gaussian_filter1d`` divided by zero (sigma 0: CIFAR elastic's up to severity 1, a ``ZeroDivisionError``).
 
 Stay on the host (not in `DEVICE_CORRUPTIONS`):
 
@@ -315,16 +344,20 @@ def _pil_box_matrix(n_in: int, n_out: int, size: int) -> np.ndarray:
 
 
 def _filter_matrix(n: int, sigma: float, mode: str, truncate: float) -> np.ndarray:
-  """[n, n] float32 linear map of scipy's ``gaussian_filter1d`` (the matrix of its impulse responses)."""
+  """[n, n] float32 linear map of scipy's ``gaussian_filter1d`` (the matrix of its impulse responses), the
+  identity for ``sigma <= 1e-15`` as scipy's ``gaussian_filter`` (the host's, through skimage) leaves such an
+  axis alone (where ``gaussian_filter1d`` itself divides by ``sigma ** 2``, 0 below ~1e-162)."""
   from scipy.ndimage import gaussian_filter1d
 
+  if sigma <= 1e-15:
+    return np.eye(n, dtype=np.float32)
   return gaussian_filter1d(np.eye(n), sigma, axis=0, mode=mode, truncate=truncate).astype(np.float32)
 
 
 @functools.lru_cache(maxsize=None)
 def _frost_photos() -> tuple[jax.Array, jax.Array]:
   """The release's frost photos 1-5 (RGB, full size) in one zero-padded uint8 array, and their sizes."""
-  from pcsr_jax.data import corruptions
+  from pcsr_jax.data.generators import corruptions
 
   imgs = [bgr[..., ::-1] for bgr in corruptions.frost_textures(1)[:5]]  # the host path's photos, read once
   hm, wm = max(i.shape[0] for i in imgs), max(i.shape[1] for i in imgs)
@@ -363,7 +396,7 @@ def _params_cached(corruption: str, row: tuple, height: int, width: int) -> tupl
     return (jnp.asarray(_filter_matrix(height, row[0], "nearest", 4.0)),
             jnp.asarray(_filter_matrix(width, row[0], "nearest", 4.0)))
   if corruption == "zoom_blur":
-    from pcsr_jax.data.corruptions import _zoom_matrix
+    from pcsr_jax.data.generators.corruptions import _zoom_matrix
 
     if len(row) > _ZOOM_MAX:
       raise UserError(f"zoom_blur: {len(row)} zoom factors; the device path takes up to {_ZOOM_MAX}")
@@ -451,9 +484,27 @@ def _gaussian_noise(x, p, key):
   return jnp.clip(x / 255 + p[0][0] * jax.random.normal(key, x.shape), 0, 1) * 255
 
 
+# The largest Poisson rate drawn with `jax.random.poisson` (int32 counts, float32 arithmetic): its counts wrap
+# past 2**31 (noise at severity 1e-10, 6e11 photons) and its variance is off by 3% at 1e6 (1.5x at 1e8;
+# 400k draws); at 1e5 mean and variance are the Poisson's within sampling error. Above it the count's
+# normal limit (skewness 1 / sqrt(rate) <= 0.003) is drawn instead.
+_POISSON_MAX = 1e5
+
+
 def _shot_noise(x, p, key):
+  """``np.random.poisson(x / 255 * photons) / photons``: exact draws up to `_POISSON_MAX` (every row the tables
+  give at severities from `corruptions.MIN_FRACTIONAL_SEVERITY` on: at most 50,000), the normal limit above.
+
+  In that limit the result is ``x + 255 * sqrt(x / 255 / photons) * z`` levels, a noise far below one level
+  for huge photon counts, which float32 could not add to ``x / 255`` and keep: the integer level ``x`` plus
+  ``floor(noise)`` is taken instead, the host's ``np.uint8`` truncation of the sum, exact for integer ``x``."""
   lam = p[0][0]
-  return jnp.clip(jax.random.poisson(key, x / 255 * lam, x.shape).astype(jnp.float32) / lam, 0, 1) * 255
+  rate = x / 255 * lam
+  exact = rate <= _POISSON_MAX  # where all rates are (every accepted severity), the plain formula's draws
+  counts = jax.random.poisson(key, jnp.where(exact, rate, 0.0), x.shape).astype(jnp.float32)
+  drawn = jnp.clip(counts / lam, 0, 1) * 255
+  noise = 255 * jnp.sqrt(x / 255) * jax.lax.rsqrt(lam) * jax.random.normal(jax.random.fold_in(key, 1), x.shape)
+  return jnp.where(exact, drawn, jnp.clip(x + jnp.floor(noise), 0, 255))
 
 
 def _impulse_noise(x, p, key):
@@ -663,14 +714,17 @@ class BatchCorrupter:
   model's ``img_size`` as `transforms.imagenet_c_preprocess` crops a 224 px release image (offsets rounded as
   it rounds them). The stream's key is ``(seed, corruption, severity)``, folded per image with its key, so an
   image's draws depend on nothing else (not the batch, not the order). Padded rows are corrupted too and
-  masked by the step."""
+  masked by the step. ``severity`` in [`corruptions.MIN_FRACTIONAL_SEVERITY`, 5] (`corruptions.
+  check_fractional_severity`: the device applies row 0 where the host's severity 0 returns the image
+  untouched, so 0 is refused too) and ``seed`` in [0, 2**32 - 1] (`corruptions.check_seed`): one-line
+  `UserError` otherwise."""
 
   def __init__(self, corruption: str, severity: float, seed: int, img_size: int, size: int = 224):
-    import zlib
-
-    from pcsr_jax.data import corruptions
+    from pcsr_jax.data.generators import corruptions
 
     check_corruption(corruption)
+    severity = corruptions.check_fractional_severity(severity)
+    seed = corruptions.check_seed(seed)
     if img_size > size:
       raise UserError(f"--corrupt-on device: the model takes {img_size} px images; the device path crops the "
                       f"release's {size} px images and cannot resize them (use --corrupt-on host)")

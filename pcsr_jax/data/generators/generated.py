@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from pcsr_jax.data import corruptions, corruptions_bar, transforms
+from pcsr_jax.data import transforms
+from pcsr_jax.data.generators import corruptions, corruptions_bar
 from pcsr_jax.errors import UserError
 
 VERSION = 1  # bump when the output of any image changes (it is part of the harness's resume key)
@@ -69,7 +70,8 @@ class _OverClean:
   `crop`, the release's centre crop of a clean image."""
 
   def __init__(self, clean: Any, corruption: str, severity: float, seed: int):
-    self.clean, self.corruption, self.severity, self.seed = clean, corruption, float(severity), int(seed)
+    seed = corruptions.check_seed(seed)  # a one-line UserError before any image, not one per image
+    self.clean, self.corruption, self.severity, self.seed = clean, corruption, float(severity), seed
     self.labels, self.names = clean.labels, clean.names
     self.num_label_classes, self.imagenet_labels = clean.num_label_classes, clean.imagenet_labels
     if hasattr(clean, "paths"):  # `sources.files_digest` then tracks the clean files
@@ -87,8 +89,10 @@ class CorruptedSource(_OverClean):
 
   ``clean`` is any project source (`pcsr_jax.data.sources`); this one has its labels, names and class count,
   and ``load(i)`` returns ``jpeg_round_trip(corrupt(release_crop(clean.load(i)), ...))``, a 224 px PIL
-  image. ``severity`` in [0, 5], fractions allowed (`corruptions.params`); ``seed`` changes the random draws
-  of every image. Picklable when ``clean`` is (the loader may send it to worker processes). Random
+  image. ``severity`` 0 or in [`corruptions.MIN_FRACTIONAL_SEVERITY`, 5], fractions allowed
+  (`corruptions.params`); ``seed`` (`corruptions.check_seed`: 0 to 2**32 - 1) changes the random draws of every
+  image. A failure to read a clean image is `sources.Unreadable` (the loader skips it); one of the corruption
+  propagates as itself. Picklable when ``clean`` is (the loader may send it to worker processes). Random
   corruptions hold a per-process lock while they draw from numpy's global generator, so within one process
   they run one image at a time: the loader's worker processes, not its threads, make them parallel.
   """
@@ -127,6 +131,7 @@ class CleanCrops(_OverClean):
   """
 
   def __init__(self, clean: Any, corruption: str, severity: float, seed: int = 0):
+    severity = corruptions.check_fractional_severity(severity)  # the device has no severity 0 (`BatchCorrupter`)
     corruptions.params(corruption, severity, "imagenet")
     super().__init__(clean, corruption, severity, seed)
 

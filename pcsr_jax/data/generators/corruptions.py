@@ -38,7 +38,11 @@ Fractional severities (`params`) follow CCC (``oripress/CCC``,
 ``make_imagenet_c.py``): severities 0..5, the rows interpolated linearly
 between neighbours, with a row 0 that (nearly) leaves the image alone; as CCC's
 generator, severity 0 returns the image unchanged. See `params` for the rows
-that are not plain numbers.
+that are not plain numbers. Above 0, severities start at
+`MIN_FRACTIONAL_SEVERITY` (0.01): below it no path computes every corruption
+faithfully (`check_fractional_severity`, the check of the ``--severity`` flag;
+``benchmarks/device_small_severity.py`` measures both paths down to 1e-300).
+Corruption seeds are integers from 0 to 2**32 - 1 (`check_seed`).
 
 Randomness comes from numpy's global generator, which `corrupt` seeds for every
 image from ``(seed, corruption, severity, image index)`` under a lock (the
@@ -71,6 +75,15 @@ SHORT = SHORT_NAMES  # table headers
 SIZE = 32  # the built-in benchmark's image size
 STRENGTHS = ("cifar", "imagenet")
 MAX_SEVERITY = 5  # severities run from 0 (no corruption) to 5, fractions allowed (CCC's range)
+# The smallest severity above 0 that every path takes (host and device, both strengths); 0 itself is the clean
+# image. Measured (``benchmarks/device_small_severity.py``): the host's shot noise raises numpy's "lam value too
+# large" below ~6.5e-18 (60 / s photons past ~9.2e18) and its motion blur is NaN at 1e-300 (sigma squared
+# underflows); on the device contrast stops being bit for bit below ~1e-3 (1e-4: 0.14% of values a level
+# apart) and gaussian and speckle noise fall below float32's resolution of x / 255 (~1e-6). 0.01 is ten times
+# the smallest severity measured within the published distances everywhere (1e-3), a margin for other machines'
+# float rounding, and a twenty-fifth of CCC's 0.25 grid step: finer than any severity a walk or table uses.
+MIN_FRACTIONAL_SEVERITY = 0.01
+MAX_SEED = 2**32 - 1  # corruption seeds: 0 to np.random.seed's top (`check_seed`)
 
 # zoom_blur's rows are np.arange(start, stop, step): CCC interpolates the triplets.
 _ZOOM = {"cifar": tuple((1, hi, 0.01) for hi in (1.06, 1.11, 1.16, 1.21, 1.26)),
@@ -152,18 +165,51 @@ ZERO_ROWS["imagenet"] = dict(ZERO_ROWS["cifar"], fog=(0.0, 2.0), snow=(0.1, 0.3,
                              spatter=(0.65, 0.3, 4, 0.69, 0.0, 0), elastic_transform=(0, 999, 0))
 
 
-def _check(corruption: str, severity: float, strength: str) -> float:
-  if strength not in STRENGTHS:
-    raise UserError(f"corruption strength '{strength}': expected one of {', '.join(STRENGTHS)}")
-  if corruption not in ALL:
-    raise UserError(f"unknown corruption '{corruption}': expected one of {', '.join(ALL)}")
+def _severity(severity) -> float:
+  """``severity`` as a float in [0, 5] (nan and inf refused), or a one-line `UserError`."""
   try:
     s = float(severity)
   except (TypeError, ValueError):
     raise UserError(f"severity '{severity}': expected a number from 0 to {MAX_SEVERITY}") from None
   if not 0 <= s <= MAX_SEVERITY:  # also rejects nan
-    raise UserError(f"severity {severity}: expected a number from 0 to {MAX_SEVERITY}")
+    raise UserError(f"severity {severity}: expected a number from 0 to {MAX_SEVERITY} (above 0: at least "
+                    f"{MIN_FRACTIONAL_SEVERITY:g})")
   return s
+
+
+def _check(corruption: str, severity: float, strength: str) -> float:
+  if strength not in STRENGTHS:
+    raise UserError(f"corruption strength '{strength}': expected one of {', '.join(STRENGTHS)}")
+  if corruption not in ALL:
+    raise UserError(f"unknown corruption '{corruption}': expected one of {', '.join(ALL)}")
+  s = _severity(severity)
+  if 0 < s < MIN_FRACTIONAL_SEVERITY:
+    raise UserError(f"severity {s:g}: expected 0 (the clean image) or a number from {MIN_FRACTIONAL_SEVERITY:g} "
+                    f"to {MAX_SEVERITY}")
+  return s
+
+
+def check_fractional_severity(severity, flag: str = "--severity") -> float:
+  """A generated-data severity from the user (``--severity`` with ``--clean-data`` or the built-in benchmark): a
+  number in [`MIN_FRACTIONAL_SEVERITY`, 5], fractions allowed, as a float; anything else (below the minimum,
+  0, negative, above 5, nan, inf, not a number) is a one-line `UserError` naming ``flag``. Severity 0 (the
+  clean image) stays open to CCC's walks through `params` and `corrupt`, not to the flag."""
+  ok = isinstance(severity, (int, float, np.integer, np.floating)) and not isinstance(severity, (bool, np.bool_))
+  s = float(severity) if ok else float("nan")
+  if not (math.isfinite(s) and MIN_FRACTIONAL_SEVERITY <= s <= MAX_SEVERITY):
+    raise UserError(f"{flag}: expected a number in [{MIN_FRACTIONAL_SEVERITY:g}, {MAX_SEVERITY}], got {severity!r}")
+  return s
+
+
+def check_seed(seed, flag: str = "--corruption-seed") -> int:
+  """A corruption seed from the user: an integer in [0, `MAX_SEED`], returned as an int; anything else (negative,
+  larger, a bool, a float, a string) is a one-line `UserError` naming ``flag``. numpy's ``SeedSequence`` (which
+  `image_seed` and CCC's plan Generators are built on) refuses negative entropy with a ``ValueError``; the top is
+  ``np.random.seed``'s own range (2**32 - 1), which every seed the releases and the TTA code bases use fits in."""
+  ok = isinstance(seed, (int, np.integer)) and not isinstance(seed, (bool, np.bool_))
+  if not (ok and 0 <= int(seed) <= MAX_SEED):
+    raise UserError(f"{flag}: expected an integer from 0 to {MAX_SEED}, got {seed!r}")
+  return int(seed)
 
 
 def _anchor(corruption: str, strength: str, k: int) -> np.ndarray:
@@ -187,8 +233,15 @@ def params(corruption: str, severity: float, strength: str = "cifar") -> Any:
   its iterations rounded (Python's ``round``, half to even, as CCC); JPEG's quality is rounded; spatter's
   mode (0 water, 1 mud; not in CCC) is rounded, so 3.5 is still water. Motion blur and snow keep a fractional
   radius: their functions widen the kernel to ``2 * ceil(radius) + 1`` taps, as ImageMagick does.
+
+  Severities in (0, `MIN_FRACTIONAL_SEVERITY`) are refused (`UserError`): no path computes them faithfully.
   """
-  s = _check(corruption, severity, strength)
+  return _row(corruption, _check(corruption, severity, strength), strength)
+
+
+def _row(corruption: str, s: float, strength: str) -> Any:
+  """`params` without its range checks, for a float ``s`` in [0, 5]: what the tables give below the minimum
+  (``benchmarks/device_small_severity.py`` measures there why it is the minimum)."""
   if s.is_integer() and s >= 1:
     return TABLES[strength][corruption][int(s) - 1]
   lo = int(math.floor(s))
@@ -506,8 +559,9 @@ def _severity_code(severity: float) -> int:
 
 
 def image_seed(seed: int, corruption: str, severity: float, index: int) -> int:
-  """The numpy seed of one corrupted image (stable across processes and Python versions)."""
-  entropy = [seed, zlib.crc32(corruption.encode()), _severity_code(severity), index]
+  """The numpy seed of one corrupted image (stable across processes and Python versions); ``seed`` as
+  `check_seed` takes it (a `UserError` otherwise)."""
+  entropy = [check_seed(seed, "corruption seed"), zlib.crc32(corruption.encode()), _severity_code(severity), index]
   return int(np.random.SeedSequence(entropy).generate_state(1)[0])
 
 
@@ -517,9 +571,15 @@ def corrupt(image: np.ndarray, corruption: str, severity: float, seed: int, inde
 
   ``severity`` in [0, 5], fractions allowed (`params`); 0 returns the image unchanged, as CCC's generator.
   ``index`` keys the image's random draws (`image_seed`): the test-set index for the built-in benchmark, a
-  key of the image's name for the generated ImageNet-C (`pcsr_jax.data.generated.image_key`).
+  key of the image's name for the generated ImageNet-C (`pcsr_jax.data.generators.generated.image_key`).
   """
   c = params(corruption, severity, strength)
+  return _corrupt_row(image, corruption, severity, c, seed, index, strength)
+
+
+def _corrupt_row(image: np.ndarray, corruption: str, severity: float, c: Any, seed: int, index: int,
+                 strength: str) -> np.ndarray:
+  """`corrupt` with the table row ``c`` given, unchecked (the benchmark's way below the minimum severity)."""
   x = np.asarray(image, np.uint8)
   if float(severity) == 0:
     return x.copy()

@@ -1,0 +1,271 @@
+"""What every unit of a run shares, settled before any work (`setup`): the checkpoint, each method as it will
+run with its inputs checked, the stream's sources and their loader, and the progress on disk (fresh, or
+resumed after its keys were checked: `pcsr_jax.progress`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Optional
+
+import jax
+import numpy as np
+
+from pcsr_jax import ccc_stream, checkpoint, distributed, methods, progress, results, source_stats
+from pcsr_jax.config import RunConfig
+from pcsr_jax.data import datasets, sources, streams
+from pcsr_jax.data.loader import Loader
+from pcsr_jax.errors import UserError
+from pcsr_jax.models.vit import compute_dtype
+from pcsr_jax.progress import Resume, RunProgress
+
+
+@dataclasses.dataclass
+class MethodPlan:
+  """A method of the run as settled before any work: what runs (EATA's source-free form without
+  ``--source-data``), its source statistics and what its records say about them, and ``source_key``, what its
+  units' statistics depend on (`source_stats.key`; "none..." without statistics), which ``--resume`` must
+  find unchanged for a unit it continues or keeps."""
+
+  method: methods.Method
+  used: str = "none"
+  source_key: str = "none"
+  described: Optional[tuple] = None  # `source_stats.describe`'s (indices, description)
+  stats: Optional[dict] = None
+
+
+@dataclasses.dataclass
+class Setup:
+  """What every unit of a run shares: the model, the data, the loader, the progress on disk."""
+
+  cfg: RunConfig
+  spec: datasets.DatasetSpec
+  model: Any
+  params: Any
+  num_classes: int
+  names: list[str]
+  srcs: list
+  relabel: Optional[np.ndarray]
+  loader: Any
+  resume: Resume
+  progress: RunProgress
+  config_json: dict
+  decode_ips: float
+  exchange: distributed.Exchange  # the processes' per-batch agreement (`pcsr_jax.distributed`)
+  meta: dict = dataclasses.field(default_factory=dict)
+  plans: dict = dataclasses.field(default_factory=dict)  # method name -> MethodPlan
+  source: Optional[source_stats.SourceData] = None  # --source-data, opened before any work if a method uses it
+  ckpt_digest: str = ""  # `checkpoint.params_digest` of the checkpoint: in the resume key and the stats' key
+  ccc: Optional[dict] = None  # --setting ccc: its calibration and walk, for results.json
+  corrupters: Optional[list] = None  # --corrupt-on device: one `corrupt_device.BatchCorrupter` per source
+
+  def columns(self) -> list[str]:
+    """The table's and plots' columns: the domains, or for the gradual setting the corruptions (each the mean
+    of its 9 passes)."""
+    return list(self.cfg.corruptions) if self.cfg.setting == "gradual" else self.names
+
+
+@dataclasses.dataclass
+class _Stream:
+  """The stream's sources as `_open_stream` opens them."""
+
+  names: list[str]
+  srcs: list
+  num_classes: int
+  relabel: Optional[np.ndarray]
+  model: Any
+  ccc: Optional[dict]
+
+
+def setup(cfg: RunConfig, log) -> Setup:
+  """Validates the config, loads the checkpoint, checks every method's inputs, opens the data and its loader,
+  and loads or starts the progress: everything before the first unit."""
+  cfg.validate()
+  spec = datasets.get(cfg.dataset)
+  model, params, meta = checkpoint.load(cfg.checkpoint, kind="vit")
+  model = model.clone(dtype=compute_dtype(cfg.dtype), attention=cfg.attention)
+  ckpt_digest = checkpoint.params_digest(params)  # once: the resume key and every statistics' key use it
+  exchange = distributed.Exchange()
+  # Every method's inputs (DePT-G's prompts, DDA's UNet) and --source-data, checked before any work.
+  plans, source = plan_methods(cfg, model, params, meta, ckpt_digest, log)
+  stream = _open_stream(cfg, spec, model, params, meta, ckpt_digest, exchange, log)
+  loader, decode_ips, corrupters = _make_loader(cfg, spec.preprocess(meta), stream.srcs, log)
+  resume = Resume(cfg.output)
+  config_json = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+  prog = _start_progress(cfg, resume, exchange, progress.config_key(config_json, ckpt_digest),
+                         progress.data_key(stream.srcs), plans, log)
+  s = Setup(cfg, spec, stream.model, params, stream.num_classes, stream.names, stream.srcs, stream.relabel, loader,
+            resume, prog, config_json, decode_ips, exchange, meta, plans, source, ckpt_digest, stream.ccc, corrupters)
+  load_source_stats(s, log)
+  return s
+
+
+def _open_stream(cfg: RunConfig, spec: datasets.DatasetSpec, model, params, meta: dict, ckpt_digest: str,
+                 exchange: distributed.Exchange, log) -> _Stream:
+  """The run's domains (CCC's walk, calibrated first), their labels checked against the head, and the model
+  restricted to a dataset's class subset (ImageNet-R/-A: labels become positions in its 200 logits)."""
+  ccc_record = None
+  with exchange.main_first():  # the built-in benchmark's cache (and CCC's calibration) is filled by one process
+    if cfg.setting == "ccc":
+      src, ccc_record = ccc_stream.build(cfg, model, params, meta, spec.preprocess(meta), ckpt_digest, log)
+      domains = [("ccc", src)]
+    else:
+      domains = open_domains(spec, cfg, log)
+  subset = spec.class_subset()
+  for name, src in domains:
+    sources.check_classes(src, meta["num_classes"], subset, spec.where(cfg, streams.split_domain(name, 0)[0]))
+  relabel, num_classes = None, meta["num_classes"]
+  if subset is not None:
+    model = model.clone(class_subset=tuple(int(c) for c in subset))
+    relabel = np.full(meta["num_classes"], -1, np.int64)
+    relabel[subset] = np.arange(len(subset))
+    num_classes = len(subset)
+  return _Stream([n for n, _ in domains], [s for _, s in domains], num_classes, relabel, model, ccc_record)
+
+
+def _make_loader(cfg: RunConfig, preprocess, srcs: list, log) -> tuple[Loader, float, Optional[list]]:
+  """``(loader, decode img/s, corrupters)``: uint8 images for the device to normalize; with ``--corrupt-on
+  device`` the clean crops, which the accelerator corrupts (one `corrupt_device.BatchCorrupter` per source)."""
+  corrupters = None
+  if cfg.corrupt_on == "device":
+    from pcsr_jax.data.generators import corrupt_device
+
+    corrupters = [corrupt_device.BatchCorrupter(s.corruption, s.severity, s.seed, preprocess.img_size) for s in srcs]
+    loader = Loader(srcs, _crop_as_is, cfg.batch_size, workers=cfg.workers)
+  else:
+    loader = Loader(srcs, preprocess.to_uint8, cfg.batch_size, workers=cfg.workers)
+  kind = loader_kind(cfg.loader, loader)
+  loader.processes = kind == "processes"
+  decode_ips = loader.throughput(min(256, len(srcs[0])))
+  origin = f"generated from the clean images {cfg.clean_data}" if cfg.clean_data else f"from {cfg.data}"
+  if cfg.clean_data:
+    origin += f", corrupted on the {cfg.corrupt_on}"
+  log(f"data: {cfg.dataset} {origin}: {len(srcs)} domain(s), {sum(len(s) for s in srcs):,} images; "
+      f"decode + preprocess {decode_ips:.0f} img/s ({loader.workers} {kind})")
+  return loader, decode_ips, corrupters
+
+
+def _start_progress(cfg: RunConfig, resume: Resume, exchange: distributed.Exchange, key: str, data_key: str,
+                    plans: dict, log) -> RunProgress:
+  """The saved progress to continue (``--resume``, its keys checked: `progress.check_resumable`), or a fresh
+  one, the outputs of an earlier run removed."""
+  os.makedirs(cfg.output, exist_ok=True)
+  prog = resume.load() if cfg.resume else None
+  progress.check_same_progress(exchange, prog, resume.path)
+  if cfg.resume and prog is None:
+    log(f"--resume: no saved progress in {resume.dir}; starting from the beginning")
+  if prog is not None:
+    progress.check_resumable(prog, key, data_key, {m: p.source_key for m, p in plans.items()}, resume.path,
+                             cfg.checkpoint, log)
+  if prog is None:
+    if distributed.is_main():  # the only process that writes in the output folder
+      if os.path.isfile(resume.path):
+        log(f"discarding the saved progress in {resume.dir} (pass --resume to continue it)")
+      resume.clear()
+      results.remove_outputs(cfg.output, log)
+    return RunProgress(config_key=key, data_key=data_key)
+  if prog.unit or prog.done:
+    u = prog.unit
+    log(f"resuming from {resume.path}: {len(prog.done)} runs done" +
+        (f", {u.key} at segment {u.segment} batch {u.batch}" if u else ""))
+  return prog
+
+
+def check_data(cfg: RunConfig) -> None:
+  """``cfg`` validated and its data opened and checked against the checkpoint's classes, without loading params
+  or running anything: what a table of several runs (`experiments.common.run_many`) checks of every run before
+  its first run starts, so that a bad folder of its last run stops it before the others' work."""
+  cfg.validate()
+  spec = datasets.get(cfg.dataset)
+  meta = checkpoint.load_meta(cfg.checkpoint, kind="vit")
+  if cfg.setting == "ccc" or spec.generated:  # generated when the run starts (calibrated, cached)
+    return
+  for name, src in open_domains(spec, cfg, lambda *a, **k: None):
+    sources.check_classes(src, meta["num_classes"], spec.class_subset(),
+                          spec.where(cfg, streams.split_domain(name, 0)[0]))
+
+
+def _crop_as_is(img) -> np.ndarray:
+  """The device path's loader preprocessing: `generated.CleanCrops` already gives the release's 224 px crop."""
+  return np.asarray(img, np.uint8)
+
+
+def open_domains(spec: datasets.DatasetSpec, cfg: RunConfig, log) -> list:
+  """The run's ``[(domain name, source)]``: one per corruption, or for the gradual setting one per corruption
+  and severity 1..5 (`streams.gradual_domain`), corruption after corruption."""
+  if cfg.setting != "gradual":
+    return spec.open(cfg, log)
+  by_severity = {s: spec.open(dataclasses.replace(cfg, severity=s), log) for s in streams.SEVERITIES}
+  return [(streams.gradual_domain(c, s), by_severity[s][k][1]) for k, c in enumerate(cfg.corruptions)
+          for s in streams.SEVERITIES]
+
+
+def plan_methods(cfg: RunConfig, model, params, meta: dict, ckpt_digest: str, log
+                 ) -> tuple[dict[str, MethodPlan], Optional[source_stats.SourceData]]:
+  """Each method as it will run, its inputs checked (`Method.check_inputs`), and ``--source-data`` opened and
+  checked (classes against the head for a method that reads labels) if a method uses it: before any work, so
+  that a bad input stops the run before its first method, not when the method that needs it comes up."""
+  plans, data = {}, None
+  for name in cfg.methods:
+    args = cfg.method_args.get(name, {})
+    method = with_preprocessing(methods.get(name, **args), args, meta)
+    method.check_inputs(model, params, cfg.batch_size)
+    if not method.uses_source_data():
+      plans[name] = MethodPlan(method)
+    elif cfg.source_data is None:  # `RunConfig.validate` refused the methods without a source-free form
+      used = f"none: source-free form ({method.source_free_note()})"
+      log(f"{name}: no --source-data; running its source-free form ({method.source_free_note()})")
+      plans[name] = MethodPlan(method.source_free(), used, used)
+    else:
+      if data is None:
+        data = source_stats.open_source_data(cfg.source_data, meta, cfg.tfds_data_dir, cfg.fmnist_dir)
+      source_stats.check_labels(method, data, meta["num_classes"])
+      described = source_stats.describe(method, data, cfg.batch_size, ckpt_digest, cfg.source_images)
+      plans[name] = MethodPlan(method, source_key=source_stats.key(described[1]), described=described)
+  return plans, data
+
+
+def load_source_stats(s: Setup, log) -> None:
+  """The source statistics of every method with a unit left to run, from the cache or computed, before the
+  first unit: an unreadable source stops the run before any work."""
+  cfg = s.cfg
+  for name, plan in s.plans.items():
+    if plan.described is None or all(f"{name}/seed{seed}" in s.progress.done for seed in cfg.seeds):
+      continue
+    # The full head (not ImageNet-R's 200-class subset): statistics are of the checkpoint on its own classes.
+    # Process 0 computes and caches them first; the others then read its cache (or, on a folder not shared
+    # with it, compute the same numbers themselves).
+    with s.exchange.main_first():
+      plan.stats, desc = source_stats.get(
+          plan.method, s.model.clone(class_subset=None), s.params, s.source,
+          checkpoint_dir=cfg.checkpoint, output_dir=cfg.output, batch_size=cfg.batch_size, limit=cfg.source_images,
+          workers=cfg.workers, progress=cfg.progress and distributed.is_main(), log=log,
+          ckpt_digest=s.ckpt_digest, described=plan.described)
+    plan.used = source_stats.used_note(desc)
+
+
+def loader_kind(loader: str, data: Loader) -> str:
+  """``loader`` ("threads" or "processes") as given; "auto": worker processes on a GPU or TPU host with 8 or more
+  cores, where a thread pool stalls at the GIL (an H200 host's 16 cores: the harness ran a bf16 ViT-B/16 source
+  step at 1,487 img/s on threads, 5,109 on processes), and threads on a CPU backend (the cores run the step) or
+  where the sources cannot be sent to worker processes."""
+  if loader != "auto":
+    return loader
+  if jax.default_backend() == "cpu" or (os.cpu_count() or 1) < 8:
+    return "threads"
+  try:
+    data.payload()  # kept for the workers: the sources are pickled once
+  except UserError:  # e.g. a source holding a lock or an open handle: threads decode it in place
+    return "threads"
+  return "processes"
+
+
+def with_preprocessing(method: methods.Method, args: dict, meta: dict) -> methods.Method:
+  """A method that augments pixels (CoTTA, ROID, SPA, ...) has ``mean``/``std`` fields to undo the input's
+  normalization: they are the checkpoint's unless ``--method-args`` sets them."""
+  names = {f.name for f in dataclasses.fields(method)}
+  if {"mean", "std"} <= names and not {"mean", "std"} & set(args):
+    method = dataclasses.replace(method, mean=tuple(float(v) for v in meta["mean"]),
+                                 std=tuple(float(v) for v in meta["std"]))
+  return method
