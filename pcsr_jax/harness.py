@@ -1,114 +1,108 @@
-"""The run loop: every (seed, method) unit over the segments of the setting, one compiled step per method, each
-batch decoded ahead of the step and its predictions read one step late (the host never waits on the step it
-just dispatched). Progress is saved every ``checkpoint_every`` batches and on SIGINT/SIGTERM; ``resume=True``
-continues bit-identically on CPU. Under `jax.distributed` every process streams the same global batches
-(`distributed.batches`); process 0 alone logs and writes. Around the loop: `config` (the configuration and its
-checks), `run_setup` (what the units share), `progress` (the progress on disk, the resume keys), `runlog` (log
-and progress lines), `results` (records and outputs).
+"""The run loop: the run's units (a method and seed on a domain, or on the whole stream: `units`), one per device
+group at once, each claimed, streamed with one compiled step per method and seed, each batch decoded ahead of
+the step and its predictions read one step late (the host never waits on the step it just dispatched). A unit's
+progress is saved every ``checkpoint_every`` batches and on SIGINT/SIGTERM; ``resume=True`` continues
+bit-identically on CPU; ``join=True`` shares the table with other workers through the output folder. Under
+`jax.distributed` every process streams the same global batches (`distributed.batches`); process 0 alone logs
+and writes. Around the loop: `config` (the configuration and its checks), `run_setup` (what the units share),
+`progress` (the progress on disk, the resume keys), `runlog` (log and progress lines), `results` (records and
+outputs).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import signal
 import time
 from typing import Any
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pcsr_jax import distributed, engine, results, runlog
+from pcsr_jax import distributed, engine, progress, results, runlog, units
 from pcsr_jax.config import RunConfig
-from pcsr_jax.data import streams
 from pcsr_jax.errors import UserError
-from pcsr_jax.progress import UnitProgress
+from pcsr_jax.progress import UnitProgress, UnitRecord
 from pcsr_jax.run_setup import Setup, setup as _setup
-
-
-class _Stop:
-  """SIGINT/SIGTERM set ``requested``; the loop saves its progress at the next batch and exits."""
-
-  requested = False
-
-  def __enter__(self):
-    on = lambda signum, frame: setattr(self, "requested", True)
-    self._old = {s: signal.signal(s, on) for s in (signal.SIGINT, signal.SIGTERM)}
-    return self
-
-  def __exit__(self, *exc):
-    for s, h in self._old.items():
-      signal.signal(s, h)
 
 
 def run(cfg: RunConfig, log=print) -> dict:
   """Runs the experiment; returns ``{'records', 'curves', 'skipped', ...}`` and writes the outputs, every log
-  line also in ``<output>/log.txt`` (`runlog.Log`).
+  line also in ``<output>/log.txt`` (`runlog.Log`). With ``cfg.join`` this process is one worker of a table
+  shared through ``cfg.output``: it runs the units it claims, and the worker that finishes the last one writes the
+  outputs (the others return ``{'complete': False, ...}``).
 
   Under `jax.distributed` every process calls this with the same config; only process 0 logs and writes."""
-  log = runlog.for_run(cfg.output, cfg.resume, log if distributed.is_main() else lambda *a, **k: None)
+  log = runlog.for_run(cfg.output, cfg.resume or cfg.join, log if distributed.is_main() else lambda *a, **k: None,
+                       worker=units.worker_id() if cfg.join else None)
   setup = _setup(cfg, log)
+  if setup.done is None:
+    log(f"{cfg.output}/results.json: this table is complete; nothing left to run")
+    return results.read(cfg.output)
+  claims = units.Claims(setup.units, setup.resume, setup.done, shared=cfg.join, timeout_s=cfg.claim_timeout)
+  tracker = runlog.Units(setup.units, setup.done, log, say_starts=cfg.join or len(setup.groups) > 1,
+                         who=f"{units.worker_id()} " if cfg.join else "")
   try:
-    with _Stop() as stop:
-      for seed in cfg.seeds:
-        if not _run_seed(setup, seed, stop, log):
-          log(f"interrupted: progress saved to {setup.resume.path}; rerun with --resume to continue")
-          raise SystemExit(130)
+    if cfg.expect_workers:
+      claims.wait_for_workers(cfg.expect_workers, log)
+    with units.Stop() as stop:
+      executors = [functools.partial(_executor, setup, claims, mesh, stop, tracker, log) for mesh in setup.groups]
+      if not units.execute(executors, stop):
+        log(f"interrupted: progress saved to {setup.resume.dir}; rerun with --resume to continue")
+        raise SystemExit(130)
   finally:
+    claims.close()
     setup.loader.close()  # the decode processes, if any
-  return results.write_outputs(setup, log)
+  return results.finish(setup, claims, log)
 
 
-def _run_seed(setup: Setup, seed: int, stop: _Stop, log) -> bool:
-  """Every method over the seed's stream; False when interrupted (progress saved)."""
-  cfg = setup.cfg
-  segments = streams.build(cfg.setting, [len(s) for s in setup.srcs], [s.labels for s in setup.srcs],
-                           setup.names, seed, shuffle=cfg.shuffle, imbalance_ratio=cfg.imbalance_ratio,
-                           index_file=cfg.label_shift_indices)
-  if cfg.limit:
-    segments = [dataclasses.replace(s, source_ids=s.source_ids[:cfg.limit], indices=s.indices[:cfg.limit])
-                for s in segments]
-  for method_name in cfg.methods:
-    key = f"{method_name}/seed{seed}"
-    if key in setup.progress.done:
-      continue
-    plan = setup.plans[method_name]
-    setup.progress.source_keys[key] = plan.source_key  # saved with the unit's progress
-    adapter = engine.Adapter(plan.method, setup.model, setup.params, batch_size=cfg.batch_size,
-                             eval_order=cfg.eval_order, seed=seed, source_stats=plan.stats,
-                             mean=setup.meta["mean"], std=setup.meta["std"], row_chunk=cfg.row_chunk)
-    if not _run_unit(setup, key, method_name, seed, adapter, segments, stop, log, plan.used):
+def _executor(setup: Setup, claims: units.Claims, mesh, stop: units.Stop, tracker: runlog.Units, log) -> bool:
+  """One device group's loop: claims a unit, runs it, until none is left; False when stopped (progress saved).
+  An adapter (its compiled step) serves the units of one method and seed one after another."""
+  cfg, adapter, last = setup.cfg, None, None
+  while not stop.requested and (unit := claims.next()) is not None:
+    plan = setup.plans[unit.method]
+    if (unit.method, unit.seed) != last:
+      adapter = engine.Adapter(plan.method, setup.model, setup.params, batch_size=cfg.batch_size,
+                               eval_order=cfg.eval_order, seed=unit.seed, source_stats=plan.stats, mesh=mesh,
+                               mean=setup.meta["mean"], std=setup.meta["std"], row_chunk=cfg.row_chunk)
+      last = (unit.method, unit.seed)
+    tracker.start(unit)
+    done = _run_unit(setup, unit, adapter, stop, tracker, log)
+    claims.finish(unit, done)
+    if not done:
       return False
-  return True
+  return not stop.requested
 
 
 @dataclasses.dataclass
 class _Unit:
-  """A unit as it streams: its progress, the adapter and state, its display and accuracy curve."""
+  """A unit as it streams: its record, progress, adapter and state, and its display."""
 
-  key: str
+  unit: units.Unit
+  rec: UnitRecord
   progress: UnitProgress
   adapter: engine.Adapter
   state: Any
   bar: runlog.Progress
-  curve: dict
   pending: Any = None  # (predictions, finite, batch, domain, batch index) of the batch read one step late
   since_save: int = 0
 
 
-def _run_unit(setup: Setup, key: str, method_name: str, seed: int, adapter: engine.Adapter, segments: list,
-              stop: _Stop, log, source_used: str = "none") -> bool:
-  """One method and seed over all segments. Returns False when interrupted (progress saved)."""
-  cfg, progress = setup.cfg, setup.progress
-  saved = progress.unit if progress.unit and progress.unit.key == key else None
+def _run_unit(setup: Setup, unit: units.Unit, adapter: engine.Adapter, stop: units.Stop, tracker: runlog.Units,
+              log) -> bool:
+  """One unit over its segments, from its saved progress if any. Returns False when interrupted (saved)."""
+  cfg, plan = setup.cfg, setup.plans[unit.method]
+  rec = setup.resume.load_unit(unit.key) or UnitRecord(unit.key, source_key=plan.source_key)
   state = None
-  if saved is not None:
+  if rec.progress is not None:
     template = adapter.state_to_host(adapter.init_state())
-    state = adapter.state_from_host(setup.resume.restore_state(progress, template))
-  up = saved or UnitProgress(key=key)
+    state = adapter.state_from_host(setup.resume.restore_state(rec, template))
+  up = rec.progress or UnitProgress(key=unit.key)
+  segments = [setup.segments[unit.seed][i] for i in unit.segments]
   n_batches = [-(-len(s.indices) // cfg.batch_size) for s in segments]
-  bar = runlog.Progress(cfg.progress, key, sum(n_batches), sum(n_batches[:up.segment]) + up.batch, log)
-  u = _Unit(key, up, adapter, state, bar, progress.curves.setdefault(key, {"seen": [], "accuracy": []}))
+  bar = runlog.Progress(cfg.progress, unit.key, sum(n_batches), sum(n_batches[:up.segment]) + up.batch, log)
+  u = _Unit(unit, rec, up, adapter, state, bar)
   for si in range(up.segment, len(segments)):
     seg = segments[si]
     if (seg.reset and up.batch == 0) or u.state is None:
@@ -116,29 +110,28 @@ def _run_unit(setup: Setup, key: str, method_name: str, seed: int, adapter: engi
     if not _stream_segment(setup, u, seg, stop):
       bar.close()
       return False
-    recs = results.record_segment(setup, up, seg, method_name, seed, adapter.eval_order, int(u.state.resets),
-                                  source_used)
+    recs = results.record_segment(setup, rec.records, up, seg, unit.method, unit.seed, adapter.eval_order,
+                                  int(u.state.resets), plan.used)
     up.close_segment()
-    bar.segment(seg.name, recs, up.seen, up.correct, up.images_per_s)
+    bar.segment(progress.stem(unit.key), seg.name, recs, *tracker.running(unit, up), up.images_per_s)
   bar.close()
-  progress.throughput[key] = dict(images=up.seen, seconds=up.total_seconds, images_per_s=up.images_per_s)
-  progress.done.append(key)
-  progress.unit = None
+  rec.done, rec.progress = True, None
+  rec.throughput = dict(images=up.seen, seconds=up.total_seconds, images_per_s=up.images_per_s)
   if distributed.is_main():
-    setup.resume.save(progress)
-  log(f"{key}: accuracy {100 * up.correct / max(up.seen, 1):.2f}% over {up.seen:,} images, "
-      f"{up.images_per_s:.1f} img/s end to end")
+    setup.resume.save_unit(rec)
+  setup.finished[unit.key] = rec
+  tracker.finish(unit, up)
   return True
 
 
-def _stream_segment(setup: Setup, u: _Unit, seg, stop: _Stop) -> bool:
+def _stream_segment(setup: Setup, u: _Unit, seg, stop: units.Stop) -> bool:
   """The segment's batches from where the unit stands, saving progress every ``checkpoint_every`` batches;
   False when stopped (progress saved)."""
-  progress, up = setup.progress, u.progress
+  rec, up = u.rec, u.progress
   predict = _predictor(u.adapter.mesh)
   t_seg = time.perf_counter()
   for batch, placed, stop_now in _batches(setup, u.adapter, seg, up.batch, stop):
-    progress.skipped += [n for n in (f"{seg.name}/{n}" for n in batch.skipped) if n not in progress.skipped]
+    rec.skipped += [n for n in (f"{seg.name}/{n}" for n in batch.skipped) if n not in rec.skipped]
     up.skipped += len(batch.skipped)
     if placed is not None:
       u.state, logits, metrics = u.adapter.step_placed(u.state, placed)
@@ -152,9 +145,9 @@ def _stream_segment(setup: Setup, u: _Unit, seg, stop: _Stop) -> bool:
       _score(setup, u)
       up.add_time(time.perf_counter() - t_seg)
       t_seg = time.perf_counter()
-      progress.unit = up
+      rec.progress = up
       if distributed.is_main():
-        setup.resume.save(progress, u.adapter.state_to_host(u.state))
+        setup.resume.save_unit(rec, u.adapter.state_to_host(u.state))
       u.since_save = 0
       if stop_now:
         return False
@@ -170,9 +163,9 @@ def _score(setup: Setup, u: _Unit) -> None:
   preds, finite, batch, domain, at_batch = u.pending
   u.pending = None
   if not bool(finite):
-    raise UserError(f"{u.key} diverged on {domain} at batch {at_batch}: non-finite logits or adapted parameters "
-                    f"(lower its learning rate in --method-args)")
-  u.progress.account(preds, batch, setup.names, setup.relabel, setup.num_classes, u.curve)
+    raise UserError(f"{u.unit.method}/seed{u.unit.seed} diverged on {domain} at batch {at_batch}: non-finite logits or adapted "
+                    f"parameters (lower its learning rate in --method-args)")
+  u.progress.account(preds, batch, setup.names, setup.relabel, setup.num_classes, u.rec.curve)
 
 
 @functools.lru_cache(maxsize=None)
@@ -182,7 +175,7 @@ def _predictor(mesh) -> Any:
   return jax.jit(lambda logits: logits.argmax(-1), out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
-def _batches(setup: Setup, adapter: engine.Adapter, seg, start_batch: int, stop: _Stop):
+def _batches(setup: Setup, adapter: engine.Adapter, seg, start_batch: int, stop: units.Stop):
   """``(batch, placed, stop_now)`` per global batch of a segment from ``start_batch`` on.
 
   ``batch`` has the labels, names and tags of the batch's readable images (the same on every process),

@@ -1,21 +1,24 @@
 """A run's progress on disk, so that an interrupted run resumes exactly where it stopped.
 
-* `UnitProgress` -- where one (method, seed) run stands: stream position and the open segment's tallies;
-* `RunProgress` -- everything a run has produced so far: records, curves, finished units, the open unit;
-* `Resume` -- ``<output>/resume/progress.json`` (replaced atomically) pointing at an orbax state directory;
-* what ``--resume`` must find unchanged (`config_key`, `data_key`, `check_resumable`), and every process the
-  same saved progress (`check_same_progress`).
+* `UnitProgress` -- where one unit stands: stream position and the open segment's tallies;
+* `UnitRecord` -- everything a unit has produced so far: its position, records, curve, unreadable images;
+* `RunProgress` -- the run's results gathered from its finished units (`merge`);
+* `Resume` -- ``<output>/resume/``: the run's manifest (``progress.json``) and one folder per unit, each its
+  record (replaced atomically) pointing at an orbax state directory;
+* what ``--resume`` must find unchanged (`config_key`, `data_key`, `check_resumable`, `keeps_statistics`), and
+  every process the same saved progress (`check_same_progress`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import hashlib
 import json
 import os
 import shutil
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -64,7 +67,7 @@ class UnitProgress:
     self.seen += n
     self.correct += int(hit.sum())
     curve["seen"].append(self.seen)
-    curve["accuracy"].append(self.correct / self.seen)
+    curve["correct"].append(self.correct)
 
   def add_time(self, seconds: float) -> None:
     self.seconds += seconds
@@ -91,42 +94,84 @@ class UnitProgress:
 
 
 @dataclasses.dataclass
-class RunProgress:
-  """Everything a run has produced so far (progress.json): finished records, curves, the open unit."""
+class UnitRecord:
+  """What one unit has produced so far, in its own folder (``resume/units/<unit>/unit.json``): the stream
+  position and open tallies (``progress``, None once ``done``), its records, its accuracy curve (running counts),
+  the unreadable images it met, its images/s once done, what its source statistics were computed from, and the
+  saved adaptation state it continues from."""
 
-  config_key: str
+  key: str
+  source_key: str = "none"
+  done: bool = False
+  progress: Optional[UnitProgress] = None
+  records: list = dataclasses.field(default_factory=list)
+  curve: dict = dataclasses.field(default_factory=lambda: {"seen": [], "correct": []})
+  skipped: list = dataclasses.field(default_factory=list)
+  throughput: Optional[dict] = None
+  state_dir: Optional[str] = None
+
+  def to_json(self) -> dict:
+    return dict(dataclasses.asdict(self), progress=self.progress.to_json() if self.progress else None)
+
+  @staticmethod
+  def from_json(d: Any) -> "UnitRecord":
+    """Raises TypeError/KeyError/ValueError on anything that is not a unit record of this version."""
+    types = dict(key=str, source_key=str, done=bool, records=list, curve=dict, skipped=list)
+    if not isinstance(d, dict) or not all(isinstance(d[k], t) for k, t in types.items()):
+      raise TypeError("not a unit record")
+    if not all(isinstance(d["curve"].get(k), list) for k in ("seen", "correct")):
+      raise TypeError("curve of the wrong type")
+    rec = UnitRecord(**{k: d[k] for k in types}, throughput=d.get("throughput"), state_dir=d.get("state_dir"))
+    if d.get("progress") is not None:
+      if not isinstance(d["progress"], dict):
+        raise TypeError("progress is not an object")
+      rec.progress = UnitProgress.from_json(d["progress"])
+      if not isinstance(rec.progress.key, str) or not isinstance(rec.progress.counts, dict):
+        raise TypeError("progress of the wrong type")
+    return rec
+
+
+@dataclasses.dataclass
+class RunProgress:
+  """A run's results gathered from its units (`merge`): records, curves and images/s per (method, seed), the
+  unreadable images, the finished units."""
+
   records: list = dataclasses.field(default_factory=list)
   curves: dict = dataclasses.field(default_factory=dict)
   skipped: list = dataclasses.field(default_factory=list)
   done: list = dataclasses.field(default_factory=list)
-  unit: Optional[UnitProgress] = None
   throughput: dict = dataclasses.field(default_factory=dict)
-  state_dir: Optional[str] = None
-  data_key: str = ""  # a digest of the ordered stream items: resuming over changed data is refused
-  # unit key -> what its source statistics were computed from (`harness`): a resume that would give a started
-  # unit other statistics is refused, one whose units used none takes another --source-data
-  source_keys: dict = dataclasses.field(default_factory=dict)
 
-  def to_json(self) -> dict:
-    return dict(dataclasses.asdict(self), unit=self.unit.to_json() if self.unit else None)
 
-  @staticmethod
-  def from_json(d: Any) -> "RunProgress":
-    """Raises TypeError/KeyError/ValueError on anything that is not a progress record of this version."""
-    types = dict(config_key=str, records=list, curves=dict, skipped=list, done=list, throughput=dict,
-                 data_key=str)
-    if not isinstance(d, dict) or not all(isinstance(d[k], t) for k, t in types.items()):
-      raise TypeError("not a progress record")
-    if not isinstance(d.get("source_keys", {}), dict):
-      raise TypeError("source_keys is not an object")
-    prog = RunProgress(**{k: d[k] for k in types}, state_dir=d.get("state_dir"), source_keys=d.get("source_keys", {}))
-    if d.get("unit") is not None:
-      if not isinstance(d["unit"], dict):
-        raise TypeError("unit is not an object")
-      prog.unit = UnitProgress.from_json(d["unit"])
-      if not isinstance(prog.unit.key, str) or not isinstance(prog.unit.counts, dict):
-        raise TypeError("unit of the wrong type")
-    return prog
+def stem(unit: str) -> str:
+  """``<method>/seed<s>`` of a unit key (``<method>/seed<s>`` or ``<method>/seed<s>/<domain>``)."""
+  return "/".join(unit.split("/")[:2])
+
+
+def merge(units: Sequence[UnitRecord]) -> RunProgress:
+  """The run's results from its finished units in plan order, as one unit over the whole stream would have
+  made them: records in order, each (method, seed)'s curve running on over its units, its images and seconds
+  summed, each unreadable image once."""
+  out = RunProgress()
+  totals: dict[str, list] = {}
+  for u in units:
+    if not u.done:
+      continue
+    out.done.append(u.key)
+    out.records += u.records
+    out.skipped += [n for n in u.skipped if n not in out.skipped]
+    k = stem(u.key)
+    seen0, correct0, images, seconds = totals.setdefault(k, [0, 0, 0, 0.0])
+    curve = out.curves.setdefault(k, {"seen": [], "accuracy": []})
+    for s, c in zip(u.curve["seen"], u.curve["correct"]):
+      curve["seen"].append(seen0 + s)
+      curve["accuracy"].append((correct0 + c) / (seen0 + s))
+    t = u.throughput or {}
+    totals[k] = [seen0 + (u.curve["seen"] or [0])[-1], correct0 + (u.curve["correct"] or [0])[-1],
+                 images + t.get("images", 0), seconds + t.get("seconds", 0.0)]
+  for k, (_, _, images, seconds) in totals.items():
+    out.throughput[k] = dict(images=images, seconds=seconds, images_per_s=images / max(seconds, 1e-9))
+  return out
 
 
 def _checkpointer():
@@ -141,51 +186,111 @@ def _checkpointer():
   return ocp.Checkpointer(ocp.StandardCheckpointHandler(), multiprocessing_options=local)
 
 
+def unit_folder(key: str) -> str:
+  """A unit's folder name: its key made a file name, and a digest that keeps two keys apart."""
+  safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in key.replace("/", "__"))
+  return f"{safe[:80]}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+
+
 class Resume:
-  """Progress on disk: ``resume/progress.json`` (atomic) pointing at an orbax state dir."""
+  """A run's progress on disk, under ``<output>/resume``: ``progress.json`` (atomic), what the whole run must find
+  unchanged (its configuration and data keys, its planned units), and one folder per unit (`UnitRecord` and the
+  orbax state it continues from), so that units run one after another, on several device groups at once or by
+  several workers, each save and resume alone."""
 
   def __init__(self, out_dir: str):
     self.dir = os.path.join(os.path.abspath(out_dir), "resume")  # orbax needs absolute paths
     self.path = os.path.join(self.dir, "progress.json")
 
-  def load(self) -> Optional[RunProgress]:
+  def load(self) -> Optional[dict]:
+    """The run's saved manifest (``config_key``, ``data_key``, ``units``), None when there is none."""
     if not os.path.isfile(self.path):
       return None
     try:
       with open(self.path) as f:
-        return RunProgress.from_json(json.load(f))
+        data = json.load(f)
+      if not (isinstance(data, dict) and isinstance(data.get("config_key"), str) and
+              isinstance(data.get("data_key"), str) and isinstance(data.get("units"), list)):
+        raise TypeError("not a progress record")
     except (OSError, ValueError, TypeError, KeyError) as e:
       raise UserError(f"{self.path}: saved progress is damaged ({type(e).__name__}); rerun without --resume to "
                       f"start over") from None
+    return data
 
-  def save(self, progress: RunProgress, host_state: Any = None) -> None:
-    """Writes the progress (and the adaptation state, if given) so that a crash at any point leaves a
+  def start(self, manifest: dict) -> None:
+    """A fresh run's manifest, every earlier unit's folder removed."""
+    self.clear()
+    os.makedirs(self.dir, exist_ok=True)
+    files.write_json(self.path, manifest)
+
+  def rewrite(self, manifest: dict) -> None:
+    """The manifest of a resumed run (its units' source keys as they are now), the units' folders kept."""
+    files.write_json(self.path, manifest)
+
+  def create(self, manifest: dict) -> bool:
+    """The manifest written only if there is none (atomic: several workers may start at once); whether this
+    call wrote it."""
+    os.makedirs(self.dir, exist_ok=True)
+    tmp = f"{self.path}.{os.getpid()}.{time.time_ns()}"
+    with open(tmp, "w") as f:
+      json.dump(manifest, f)
+    try:
+      os.link(tmp, self.path)  # fails if another worker wrote it first
+      return True
+    except FileExistsError:
+      return False
+    finally:
+      os.remove(tmp)
+
+  def unit_dir(self, key: str) -> str:
+    return os.path.join(self.dir, "units", unit_folder(key))
+
+  def load_unit(self, key: str) -> Optional[UnitRecord]:
+    path = os.path.join(self.unit_dir(key), "unit.json")
+    if not os.path.isfile(path):
+      return None
+    try:
+      with open(path) as f:
+        rec = UnitRecord.from_json(json.load(f))
+      if rec.key != key:
+        raise ValueError(f"holds {rec.key}")
+    except (OSError, ValueError, TypeError, KeyError) as e:
+      raise UserError(f"{path}: saved progress is damaged ({type(e).__name__}); rerun without --resume to start "
+                      f"over") from None
+    return rec
+
+  def save_unit(self, rec: UnitRecord, host_state: Any = None) -> None:
+    """Writes the unit's record (and its adaptation state, if given) so that a crash at any point leaves a
     consistent pair: the state goes to a new directory, then the JSON naming it replaces the old one."""
     import orbax.checkpoint as ocp
 
-    os.makedirs(self.dir, exist_ok=True)
+    d = self.unit_dir(rec.key)
+    os.makedirs(d, exist_ok=True)
     if host_state is not None:
-      name = f"state_{int(time.time() * 1e6)}"
+      name = f"state_{time.time_ns()}"
       with _checkpointer() as ck:
-        ck.save(os.path.join(self.dir, name), args=ocp.args.StandardSave(host_state))
-      progress.state_dir = name
-    elif progress.unit is None:
-      progress.state_dir = None
-    files.write_json(self.path, progress.to_json())  # the switch to the new state is atomic
-    for d in os.listdir(self.dir):
-      if d.startswith("state_") and d != progress.state_dir:
-        shutil.rmtree(os.path.join(self.dir, d), ignore_errors=True)
+        ck.save(os.path.join(d, name), args=ocp.args.StandardSave(host_state))
+      rec.state_dir = name
+    elif rec.progress is None:
+      rec.state_dir = None
+    files.write_json(os.path.join(d, "unit.json"), rec.to_json())  # the switch to the new state is atomic
+    for s in os.listdir(d):
+      if s.startswith("state_") and s != rec.state_dir:
+        shutil.rmtree(os.path.join(d, s), ignore_errors=True)
 
-  def restore_state(self, progress: RunProgress, template: Any) -> Any:
+  def restore_state(self, rec: UnitRecord, template: Any) -> Any:
     import orbax.checkpoint as ocp
 
-    path = os.path.join(self.dir, progress.state_dir or "state_missing")
+    path = os.path.join(self.unit_dir(rec.key), rec.state_dir or "state_missing")
     try:
       with _checkpointer() as ck:
         return ck.restore(path, args=ocp.args.StandardRestore(template))
     except Exception as e:  # deleted, truncated or foreign: tensorstore / orbax / ValueError
       raise UserError(f"{path}: saved adaptation state is damaged or missing ({type(e).__name__}); rerun without "
                       f"--resume to start over") from None
+
+  def forget_unit(self, key: str) -> None:
+    shutil.rmtree(self.unit_dir(key), ignore_errors=True)
 
   def clear(self) -> None:
     shutil.rmtree(self.dir, ignore_errors=True)
@@ -199,7 +304,8 @@ def config_key(config_json: dict, ckpt_digest: str) -> str:
   ``--source-images`` are checked per unit instead (`run_setup.MethodPlan.source_key`): units that used no source
   statistics keep their records when they change."""
   keep = {k: v for k, v in config_json.items()
-          if k not in ("resume", "progress", "workers", "loader", "checkpoint_every", "source_data", "source_images")}
+          if k not in ("resume", "progress", "workers", "loader", "checkpoint_every", "source_data", "source_images",
+                       "join", "claim_timeout", "expect_workers")}
   return json.dumps(dict(keep, checkpoint_params=ckpt_digest), sort_keys=True)
 
 
@@ -216,45 +322,41 @@ def data_key(srcs: list) -> str:
   return h.hexdigest()
 
 
-def check_resumable(progress: RunProgress, key: str, data_key: str, source_keys: dict[str, str], path: str,
-                    checkpoint_dir: str, log) -> None:
-  """Saved progress is continued only under the configuration, checkpoint params and data it was made with.
-
-  A unit it holds (finished or open) that would now get other source statistics (``--source-data`` corrected,
-  its images repaired, ``--source-images`` changed) runs again from its start, its records dropped: its
-  statistics are not the run's any more. Units that used none, or the same, keep their records, so that
-  correcting ``--source-data`` loses no other work. ``source_keys``: each method's key of its statistics now."""
-  if progress.config_key != key:
-    differ = _config_diff(progress.config_key, key)
+def check_resumable(manifest: dict, key: str, data_key: str, path: str, checkpoint_dir: str,
+                    joined: bool = False) -> None:
+  """Saved progress is continued only under the configuration, checkpoint params and data it was made with;
+  ``joined``: the manifest is a shared table's (``--join``), which this worker must be started like."""
+  differ = _config_diff(manifest["config_key"], key) if manifest["config_key"] != key else None
+  if joined and (differ is not None or manifest["data_key"] != data_key):
+    what = ("the params of --checkpoint " + checkpoint_dir if differ and "checkpoint_params" in differ else
+            "its settings (" + ", ".join(differ) + ")" if differ else "its settings" if differ is not None else
+            "its data (images added, removed or relabelled)")
+    raise UserError(f"{path}: this worker differs from the others of this table in {what}; start every worker "
+                    f"alike, or use another --output")
+  if differ is not None:
     if "checkpoint_params" in differ:
       raise UserError(f"{path}: the params of --checkpoint {checkpoint_dir} changed since the progress was saved "
                       f"(replaced or re-converted); rerun without --resume to start over")
     raise UserError(f"{path}: saved progress is from a different configuration"
                     f"{' (' + ', '.join(differ) + ' differ)' if differ else ''}; drop --resume or use another --output")
-  if progress.data_key != data_key:
+  if manifest["data_key"] != data_key:
     raise UserError(f"{path}: the data changed since the progress was saved (images added, removed or "
                     f"relabelled); rerun without --resume to start over")
-  for unit in progress.done + ([progress.unit.key] if progress.unit else []):
-    saved, now = progress.source_keys.get(unit), source_keys[unit.rsplit("/seed", 1)[0]]
-    if saved != now:
-      why = ("it ran without --source-data" if str(saved).startswith("none") else
-             "this run has no --source-data" if now.startswith("none") else
-             "--source-data, --source-images or the source images changed")
-      log(f"{unit}: its source statistics would differ from those it ran with ({why}); running it again from "
-          f"the start")
-      _forget_unit(progress, unit)
 
 
-def _forget_unit(progress: RunProgress, unit: str) -> None:
-  """Drops what ``unit`` (``<method>/seed<s>``) produced from ``progress``, so that it runs again."""
-  method, seed = unit.rsplit("/seed", 1)
-  progress.records = [r for r in progress.records if (r["method"], str(r["seed"])) != (method, seed)]
-  progress.curves.pop(unit, None)
-  progress.throughput.pop(unit, None)
-  progress.source_keys.pop(unit, None)
-  progress.done = [u for u in progress.done if u != unit]
-  if progress.unit is not None and progress.unit.key == unit:
-    progress.unit = None
+def keeps_statistics(rec: UnitRecord, source_key: str, log) -> bool:
+  """Whether a saved unit (finished or open) keeps what it produced: not if it would now get other source
+  statistics (``--source-data`` corrected, its images repaired, ``--source-images`` changed): it then runs again
+  from its start, its records dropped, its statistics not the run's any more. Units that used none, or the same,
+  keep their records, so that correcting ``--source-data`` loses no other work."""
+  if rec.source_key == source_key:
+    return True
+  why = ("it ran without --source-data" if rec.source_key.startswith("none") else
+         "this run has no --source-data" if source_key.startswith("none") else
+         "--source-data, --source-images or the source images changed")
+  log(f"{rec.key}: its source statistics would differ from those it ran with ({why}); running it again from the "
+      f"start")
+  return False
 
 
 def _config_diff(saved: str, now: str) -> list[str]:
@@ -268,12 +370,16 @@ def _config_diff(saved: str, now: str) -> list[str]:
   return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
-def check_same_progress(exchange: Any, progress: Optional[RunProgress], path: str) -> None:
-  """Every process must resume from the same saved progress: the output folder has to be shared by all hosts."""
-  mine = "none" if progress is None else hashlib.sha256(
-      json.dumps(progress.to_json(), sort_keys=True).encode()).hexdigest()
-  seen = exchange.allgather(mine)
+def check_same_progress(exchange: Any, resume: Resume) -> None:
+  """Every process must resume from the same saved progress (its manifest and its units' records): the output
+  folder has to be shared by all hosts."""
+  h = hashlib.sha256()
+  for path in [resume.path] + sorted(glob.glob(os.path.join(resume.dir, "units", "*", "unit.json"))):
+    if os.path.isfile(path):
+      with open(path, "rb") as f:
+        h.update(os.path.relpath(path, resume.dir).encode() + b"\0" + f.read())
+  seen = exchange.allgather(h.hexdigest())
   if len(set(seen)) > 1:
-    odd = next(p for p, h in enumerate(seen) if h != seen[0])
-    raise UserError(f"{path}: process {odd} sees other saved progress than process 0; --output must be a folder "
-                    f"shared by every process")
+    odd = next(p for p, x in enumerate(seen) if x != seen[0])
+    raise UserError(f"{resume.path}: process {odd} sees other saved progress than process 0; --output must be a "
+                    f"folder shared by every process")

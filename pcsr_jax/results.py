@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 import re
 import sys
@@ -209,10 +210,10 @@ def _registry():
   return methods.REGISTRY
 
 
-def record_segment(setup: Any, unit: Any, seg, method_name: str, seed: int, eval_order: str,
-                    resets: int, source_used: str = "none") -> list[dict]:
-  """Records the segment's per-domain accuracies in the run's progress (for mix_shifts: every corruption in the
-  mix), and its predictions files with ``--save-predictions``; returns the records.
+def record_segment(setup: Any, records: list, unit: Any, seg, method_name: str, seed: int, eval_order: str,
+                   resets: int, source_used: str = "none") -> list[dict]:
+  """Appends the segment's per-domain accuracies to its unit's ``records`` (for mix_shifts: every corruption in
+  the mix), and writes its predictions files with ``--save-predictions``; returns the new records.
 
   ``resets`` counts the method's in-step recoveries (SAR's EMA reset) since its state was last initialized.
   On an open-set dataset (VisDA-2021) ``accuracy`` counts every sample, as the papers do, and
@@ -236,7 +237,7 @@ def record_segment(setup: Any, unit: Any, seg, method_name: str, seed: int, eval
       stem = f"{corruption}-segment{unit.segment}"
     if setup.spec.open_set:
       rec.update(accuracy_known=correct_known / max(known, 1), num_known=known)
-    setup.progress.records.append(rec)
+    records.append(rec)
     out.append(rec)
     if cfg.save_predictions and distributed.is_main():
       fn, lab, pred = preds
@@ -247,15 +248,45 @@ def record_segment(setup: Any, unit: Any, seg, method_name: str, seed: int, eval
   return out
 
 
-def write_outputs(setup: Any, log) -> dict:
-  """A finished run's outputs from its progress (`run_setup.Setup`): results.json, results.csv, table.md (with
-  its caption) and the plots, by process 0; nothing claims completion unless every planned (method, seed,
-  domain) record exists. Returns what `harness.run` returns."""
+def read(output: str) -> dict:
+  """A finished table's results.json, as `harness.run` returns it."""
+  with open(os.path.join(output, "results.json")) as f:
+    return json.load(f)
+
+
+def finish(setup: Any, claims: Any, log) -> dict:
+  """The run's outputs once every unit is done (`write_outputs`), from the units this process ran and the
+  others' saved records. A worker of a shared table that finds units still running elsewhere leaves the table to
+  the worker that finishes last; of two that finish at once, the one that takes ``resume/final`` writes it."""
+  from pcsr_jax import progress as prog
+
+  recs = [setup.finished.get(u.key) or setup.resume.load_unit(u.key) for u in setup.units]
+  missing = [u.key for u, r in zip(setup.units, recs) if r is None or not r.done]
+  if missing and setup.cfg.join:
+    log(f"{claims.me}: no unit left to claim; {len(missing)} of {len(setup.units)} still running on other "
+        f"workers (the last to finish writes the table), e.g. {missing[0]}")
+    return dict(complete=False, missing=missing)
+  if setup.cfg.join:
+    try:
+      os.close(os.open(os.path.join(setup.resume.dir, "final"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+      log(f"{claims.me}: another worker is writing the table")
+      return dict(complete=False, missing=[])
+    if len(setup.finished) == len(setup.units) and claims.workers_seen() == 1:
+      log(f"{claims.me}: ran every unit of this table alone, no other worker registered in {setup.resume.dir}; "
+          f"if others were started, --output is not a folder they share (--expect-workers N refuses such a run)")
+  return write_outputs(setup, prog.merge([r for r in recs if r is not None]), log)
+
+
+def write_outputs(setup: Any, progress: Any, log) -> dict:
+  """A finished run's outputs from its units' merged progress (`progress.merge`): results.json, results.csv,
+  table.md (with its caption) and the plots, by process 0; nothing claims completion unless every planned
+  (method, seed, domain) record exists. Returns what `harness.run` returns."""
   import jax
 
   from pcsr_jax import methods
 
-  cfg, progress = setup.cfg, setup.progress
+  cfg = setup.cfg
   records = progress.records
   have = {(r["method"], r["seed"], r.get("domain", r["corruption"])) for r in records}
   missing = [(m, s, d) for s in cfg.seeds for m in cfg.methods for d in setup.names if (m, s, d) not in have]
@@ -266,7 +297,7 @@ def write_outputs(setup: Any, log) -> dict:
                     f"{len(missing)} of {len(cfg.seeds) * len(cfg.methods) * len(setup.names)} planned results "
                     f"missing): nothing written")
   tbl = table(records, setup.columns(), cfg.methods)
-  out = dict(records=records, curves=progress.curves, skipped=progress.skipped, table=tbl,
+  out = dict(complete=True, records=records, curves=progress.curves, skipped=progress.skipped, table=tbl,
              decode_images_per_s=setup.decode_ips, throughput=progress.throughput)
   if not distributed.is_main():  # one set of outputs: process 0's
     return out

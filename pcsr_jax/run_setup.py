@@ -12,13 +12,13 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from pcsr_jax import ccc_stream, checkpoint, distributed, methods, progress, results, source_stats
+from pcsr_jax import ccc_stream, checkpoint, distributed, methods, progress, results, source_stats, units
 from pcsr_jax.config import RunConfig
 from pcsr_jax.data import datasets, sources, streams
 from pcsr_jax.data.loader import Loader
 from pcsr_jax.errors import UserError
 from pcsr_jax.models.vit import compute_dtype
-from pcsr_jax.progress import Resume, RunProgress
+from pcsr_jax.progress import Resume
 
 
 @dataclasses.dataclass
@@ -49,7 +49,6 @@ class Setup:
   relabel: Optional[np.ndarray]
   loader: Any
   resume: Resume
-  progress: RunProgress
   config_json: dict
   decode_ips: float
   exchange: distributed.Exchange  # the processes' per-batch agreement (`pcsr_jax.distributed`)
@@ -59,6 +58,11 @@ class Setup:
   ckpt_digest: str = ""  # `checkpoint.params_digest` of the checkpoint: in the resume key and the stats' key
   ccc: Optional[dict] = None  # --setting ccc: its calibration and walk, for results.json
   corrupters: Optional[list] = None  # --corrupt-on device: one `corrupt_device.BatchCorrupter` per source
+  segments: dict = dataclasses.field(default_factory=dict)  # seed -> its stream's segments (`streams.build`)
+  units: list = dataclasses.field(default_factory=list)  # the run's `units.Unit`s in plan order
+  done: Optional[set] = dataclasses.field(default_factory=set)  # units finished already (None: the whole table)
+  finished: dict = dataclasses.field(default_factory=dict)  # key -> `progress.UnitRecord` of the units run here
+  groups: list = dataclasses.field(default_factory=list)  # one device mesh per group that runs a unit at once
 
   def columns(self) -> list[str]:
     """The table's and plots' columns: the domains, or for the gradual setting the corruptions (each the mean
@@ -92,13 +96,37 @@ def setup(cfg: RunConfig, log) -> Setup:
   stream = _open_stream(cfg, spec, model, params, meta, ckpt_digest, exchange, log)
   loader, decode_ips, corrupters = _make_loader(cfg, spec.preprocess(meta), stream.srcs, log)
   resume = Resume(cfg.output)
+  segments = {seed: stream_segments(cfg, stream.srcs, stream.names, seed) for seed in cfg.seeds}
+  plan = units.plan(cfg.setting, cfg.seeds, {m: p.method for m, p in plans.items()}, segments)
+  groups = _device_groups(cfg, len(plan))
   config_json = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
-  prog = _start_progress(cfg, resume, exchange, progress.config_key(config_json, ckpt_digest),
-                         progress.data_key(stream.srcs), plans, log)
+  manifest = dict(config_key=progress.config_key(config_json, ckpt_digest), data_key=progress.data_key(stream.srcs),
+                  units=[u.key for u in plan], source_keys={m: p.source_key for m, p in plans.items()})
+  done, commit = _start_progress(cfg, resume, exchange, manifest, plan, log)
   s = Setup(cfg, spec, stream.model, params, stream.num_classes, stream.names, stream.srcs, stream.relabel, loader,
-            resume, prog, config_json, decode_ips, exchange, meta, plans, source, ckpt_digest, stream.ccc, corrupters)
-  load_source_stats(s, log)
+            resume, config_json, decode_ips, exchange, meta, plans, source, ckpt_digest, stream.ccc, corrupters,
+            segments, plan, done, groups=groups)
+  if done is not None:
+    load_source_stats(s, log)  # an unreadable --source-data stops the run before it writes anything
+  commit()
   return s
+
+
+def _device_groups(cfg: RunConfig, n_units: int) -> list:
+  """One mesh per device group that runs a unit at once (`units.device_groups`; ``cfg.devices_per_unit`` set to
+  the size chosen, so that results.json says what ran); under `jax.distributed` one unit at a time on every
+  process's devices."""
+  if distributed.is_multiprocess():
+    if cfg.devices_per_unit is not None:
+      raise UserError("--devices-per-unit: one process per host runs one unit at a time over every device under "
+                      "--coordinator/--distributed; start independent workers with --join instead")
+    cfg.devices_per_unit = len(jax.devices())
+    return [None]
+  from pcsr_jax import engine
+
+  groups = units.device_groups(jax.local_devices(), cfg.devices_per_unit, n_units)
+  cfg.devices_per_unit = len(groups[0])
+  return [engine.data_mesh(g) for g in groups]
 
 
 def _open_stream(cfg: RunConfig, spec: datasets.DatasetSpec, model, params, meta: dict, ckpt_digest: str,
@@ -146,30 +174,87 @@ def _make_loader(cfg: RunConfig, preprocess, srcs: list, log) -> tuple[Loader, f
   return loader, decode_ips, corrupters
 
 
-def _start_progress(cfg: RunConfig, resume: Resume, exchange: distributed.Exchange, key: str, data_key: str,
-                    plans: dict, log) -> RunProgress:
-  """The saved progress to continue (``--resume``, its keys checked: `progress.check_resumable`), or a fresh
-  one, the outputs of an earlier run removed."""
+def stream_segments(cfg: RunConfig, srcs: list, names: list[str], seed: int) -> list:
+  """The seed's stream (`streams.build`), each segment cut to ``--limit`` images."""
+  segs = streams.build(cfg.setting, [len(s) for s in srcs], [s.labels for s in srcs], names, seed,
+                       shuffle=cfg.shuffle, imbalance_ratio=cfg.imbalance_ratio, index_file=cfg.label_shift_indices)
+  if cfg.limit:
+    segs = [dataclasses.replace(s, source_ids=s.source_ids[:cfg.limit], indices=s.indices[:cfg.limit]) for s in segs]
+  return segs
+
+
+def _start_progress(cfg: RunConfig, resume: Resume, exchange: distributed.Exchange, manifest: dict, plan: list,
+                    log) -> tuple[Optional[set], Any]:
+  """The saved progress to continue (``--resume``, ``--join``: its keys checked, `progress.check_resumable`;
+  each unit's source statistics, `progress.keeps_statistics`), or a fresh one. Returns the keys of the units
+  finished already (None: ``--join`` of a table another worker finished) and what writes the progress (a fresh
+  manifest, the outputs of an earlier run removed; a resumed one's units that start over), called once the
+  source statistics are in hand."""
   os.makedirs(cfg.output, exist_ok=True)
-  prog = resume.load() if cfg.resume else None
-  progress.check_same_progress(exchange, prog, resume.path)
-  if cfg.resume and prog is None:
-    log(f"--resume: no saved progress in {resume.dir}; starting from the beginning")
-  if prog is not None:
-    progress.check_resumable(prog, key, data_key, {m: p.source_key for m, p in plans.items()}, resume.path,
-                             cfg.checkpoint, log)
-  if prog is None:
-    if distributed.is_main():  # the only process that writes in the output folder
-      if os.path.isfile(resume.path):
-        log(f"discarding the saved progress in {resume.dir} (pass --resume to continue it)")
-      resume.clear()
-      results.remove_outputs(cfg.output, log)
-    return RunProgress(config_key=key, data_key=data_key)
-  if prog.unit or prog.done:
-    u = prog.unit
-    log(f"resuming from {resume.path}: {len(prog.done)} runs done" +
-        (f", {u.key} at segment {u.segment} batch {u.batch}" if u else ""))
-  return prog
+  nothing = lambda: None
+  if cfg.join:
+    finished = _finished_table(cfg, manifest)
+    if finished is not None:
+      if finished:
+        return None, nothing
+      raise UserError(f"{cfg.output}/results.json holds a finished table of another configuration; use another "
+                      f"--output (or run without --join to replace it)")
+    if not resume.create(manifest):  # the first worker's manifest: the table's keys for every other worker
+      saved = resume.load()
+      progress.check_resumable(saved, manifest["config_key"], manifest["data_key"], resume.path, cfg.checkpoint,
+                               joined=True)
+      if saved.get("source_keys") != manifest["source_keys"]:
+        raise UserError(f"{resume.path}: another worker of this table runs with other source statistics "
+                        f"(--source-data, --source-images or its images differ); start every worker alike")
+    return {u.key for u in plan if (r := resume.load_unit(u.key)) is not None and r.done}, nothing
+  saved = resume.load() if cfg.resume else None
+  progress.check_same_progress(exchange, resume)
+  main = distributed.is_main()  # the only process that writes in the output folder
+  if saved is None:
+    if cfg.resume:
+      log(f"--resume: no saved progress in {resume.dir}; starting from the beginning")
+
+    def start() -> None:
+      if main:
+        if os.path.isfile(resume.path):
+          log(f"discarding the saved progress in {resume.dir} (pass --resume to continue it)")
+        resume.start(manifest)
+        results.remove_outputs(cfg.output, log)
+    return set(), start
+  progress.check_resumable(saved, manifest["config_key"], manifest["data_key"], resume.path, cfg.checkpoint)
+  done, started, again = set(), 0, []
+  for u in plan:
+    rec = resume.load_unit(u.key)
+    if rec is None:
+      continue
+    if not progress.keeps_statistics(rec, manifest["source_keys"][u.method], log):
+      again.append(u.key)
+      continue
+    done.update([u.key] if rec.done else [])
+    started += not rec.done
+  if done or started:
+    log(f"resuming from {resume.path}: {len(done)} of {len(plan)} units done, {started} under way")
+
+  def resume_run() -> None:
+    if main:
+      for key in again:
+        resume.forget_unit(key)
+      resume.rewrite(manifest)
+  return done, resume_run
+
+
+def _finished_table(cfg: RunConfig, manifest: dict) -> Optional[bool]:
+  """Whether ``--output`` holds a finished table of this configuration and checkpoint (True), of another (False),
+  or none (None)."""
+  try:
+    with open(os.path.join(cfg.output, "results.json")) as f:
+      res = json.load(f)
+    if not res.get("complete"):
+      return None
+    digest = json.loads(manifest["config_key"])["checkpoint_params"]
+    return progress.config_key(res["config"], digest) == manifest["config_key"]
+  except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    return None
 
 
 def check_data(cfg: RunConfig) -> None:
@@ -231,7 +316,7 @@ def load_source_stats(s: Setup, log) -> None:
   first unit: an unreadable source stops the run before any work."""
   cfg = s.cfg
   for name, plan in s.plans.items():
-    if plan.described is None or all(f"{name}/seed{seed}" in s.progress.done for seed in cfg.seeds):
+    if plan.described is None or all(u.key in s.done for u in s.units if u.method == name):
       continue
     # The full head (not ImageNet-R's 200-class subset): statistics are of the checkpoint on its own classes.
     # Process 0 computes and caches them first; the others then read its cache (or, on a folder not shared

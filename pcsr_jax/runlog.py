@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from pcsr_jax import distributed
 
@@ -22,8 +22,8 @@ class Log:
   is opened at the first line, so that an output folder that cannot be made yet is reported by the run's checks,
   not here."""
 
-  def __init__(self, output: str, append: bool, emit: Callable = print):
-    self.path = os.path.join(output, LOG_FILE)
+  def __init__(self, output: str, append: bool, emit: Callable = print, name: str = LOG_FILE):
+    self.path = os.path.join(output, name)
     self.emit, self._mode = emit, "a" if append else "w"
 
   def __call__(self, *args, **kw) -> None:
@@ -39,12 +39,14 @@ class Log:
     self._mode = "a"
 
 
-def for_run(output: str, resume: bool, log: Callable) -> Log:
+def for_run(output: str, resume: bool, log: Callable, worker: Optional[str] = None) -> Log:
   """``log`` with the run's log file: itself if it is already a `Log` of ``output`` (the built-in benchmark's
-  command logs its header through the same one)."""
-  if isinstance(log, Log) and log.path == os.path.join(output, LOG_FILE):
+  command logs its header through the same one). A worker of a shared table (``worker``) logs to
+  ``log-<worker>.txt``, beside the others'."""
+  name = LOG_FILE if worker is None else f"log-{worker.replace(':', '_')}.txt"
+  if isinstance(log, Log) and log.path == os.path.join(output, name):
     return log
-  return Log(output, resume, log)
+  return Log(output, resume, log, name)
 
 
 class Progress:
@@ -76,15 +78,84 @@ class Progress:
       acc = f"running accuracy {100 * correct / seen:.1f}% over {seen:,} images" if seen else "no image scored yet"
       self.log(f"{self.key}: batch {self.done:,} of {self.total:,} ({domain}), {acc}, {rate} img/s")
 
-  def segment(self, name: str, records: Sequence[dict], seen: int, correct: int, images_per_s: float) -> None:
-    """A domain closed: its accuracy (over its ``records``) and the unit's running accuracy."""
+  def segment(self, stem: str, name: str, records: Sequence[dict], seen: int, correct: int,
+              images_per_s: float) -> None:
+    """A domain of ``stem`` (its method and seed) closed: its accuracy (over its ``records``) and the running
+    accuracy of the method and seed over the domains finished so far (``seen``, ``correct``)."""
     if not (self.show and seen):
       return
     n = sum(r["num_samples"] for r in records)
     acc = sum(r["accuracy"] * r["num_samples"] for r in records) / max(n, 1)
-    self.log(f"{self.key} {name}: accuracy {100 * acc:.1f}% on {name} ({n:,} images); running accuracy "
+    self.log(f"{stem} {name}: accuracy {100 * acc:.1f}% on {name} ({n:,} images); running accuracy "
              f"{100 * correct / seen:.1f}% over {seen:,} images, {images_per_s:.1f} img/s")
     self.last = time.monotonic()
 
   def close(self) -> None:
     self.bar.close()
+
+
+class Units:
+  """The run's progress over its units: a line when a unit starts (several at once, or a shared table) and when
+  it ends, with the units done of all and an estimate of the time left (from the images streamed so far);
+  each method and seed's running accuracy over its finished units, and a line once all of them are done."""
+
+  def __init__(self, plan: Sequence[Any], done: set, log: Callable, say_starts: bool, who: str = ""):
+    import threading
+
+    self.plan, self.log, self.say_starts, self.who = list(plan), log, say_starts, who
+    self.done = set(done)
+    self.t0 = time.monotonic()
+    self.images = 0  # streamed by this process
+    # method/seed -> [seen, correct, images, seconds, units] of its units finished by this process
+    self.totals: dict[str, list] = {}
+    self._lock = threading.Lock()
+
+  def start(self, unit: Any) -> None:
+    if self.say_starts:
+      self.log(f"{self.who}{threading_name()}: {unit.key} started ({unit.images:,} images)")
+
+  def running(self, unit: Any, up: Any) -> tuple[int, int]:
+    """``(seen, correct)`` of the unit's method and seed: its finished units and this one so far."""
+    from pcsr_jax.progress import stem
+
+    with self._lock:
+      seen, correct = self.totals.get(stem(unit.key), [0, 0])[:2]
+    return seen + up.seen, correct + up.correct
+
+  def finish(self, unit: Any, up: Any) -> None:
+    from pcsr_jax.progress import stem
+
+    with self._lock:
+      self.done.add(unit.key)
+      self.images += up.seen
+      t = self.totals.setdefault(stem(unit.key), [0, 0, 0, 0.0, 0])
+      t[0] += up.seen
+      t[1] += up.correct
+      t[2] += up.seen
+      t[3] += up.total_seconds
+      t[4] += 1
+      left = sum(u.images for u in self.plan if u.key not in self.done)
+      rate = self.images / max(time.monotonic() - self.t0, 1e-9)
+      all_here = t[4] == sum(stem(u.key) == stem(unit.key) for u in self.plan)  # every one of them run here
+      n_done = len(self.done)
+    eta = f", about {_duration(left / rate)} left" if left and self.images else ""
+    if unit.key != stem(unit.key):
+      self.log(f"{unit.key}: accuracy {100 * up.correct / max(up.seen, 1):.2f}% over {up.seen:,} images; units "
+               f"{n_done} of {len(self.plan)} done{eta}")
+    if all_here:
+      seen, correct, images, seconds, _ = t
+      self.log(f"{stem(unit.key)}: accuracy {100 * correct / max(seen, 1):.2f}% over {seen:,} images, "
+               f"{images / max(seconds, 1e-9):.1f} img/s end to end" +
+               (f"; units {n_done} of {len(self.plan)} done{eta}" if unit.key == stem(unit.key) else ""))
+
+
+def threading_name() -> str:
+  """The executor's name in progress lines: its thread's."""
+  import threading
+
+  return threading.current_thread().name
+
+
+def _duration(seconds: float) -> str:
+  return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min" if seconds >= 60 else \
+      f"{seconds:.0f} s"

@@ -175,17 +175,17 @@ def test_resume_refuses_changed_data_and_damaged_state(world, tmp_path):
   # Stop after the first saved batch, as SIGTERM would, and keep the saved progress.
   calls = []
 
-  def stop_after_one(*a):
+  def stop_after_one(*a):  # the signal lands after the first save: the next batch (its unit's last) is saved open
     calls.append(1)
-    if len(calls) == 2:
+    if len(calls) == 1:
       os.kill(os.getpid(), signal.SIGTERM)
-  orig = progress.Resume.save
-  progress.Resume.save = lambda self, progress, host_state=None: (orig(self, progress, host_state), stop_after_one())
+  orig = progress.Resume.save_unit
+  progress.Resume.save_unit = lambda self, rec, host_state=None: (orig(self, rec, host_state), stop_after_one())
   try:
     with pytest.raises(SystemExit):
       harness.run(harness.RunConfig(**cfg), log=lambda *a: None)
   finally:
-    progress.Resume.save = orig
+    progress.Resume.save_unit = orig
   progress_json = out / "resume" / "progress.json"
   assert progress_json.exists()
   saved = progress_json.read_text()
@@ -196,14 +196,23 @@ def test_resume_refuses_changed_data_and_damaged_state(world, tmp_path):
   with pytest.raises(UserError, match="the data changed since the progress was saved"):
     harness.run(harness.RunConfig(**cfg, resume=True), log=lambda *a: None)
   os.rename(moved, victim)
-  # Garbage or wrongly typed progress.
-  for text in ("{garbage", json.dumps([1, 2]), json.dumps({**json.loads(saved), "done": 5})):
+  # Garbage or wrongly typed progress: the run's manifest, or the open unit's record.
+  for text in ("{garbage", json.dumps([1, 2]), json.dumps({**json.loads(saved), "units": 5})):
     progress_json.write_text(text)
     with pytest.raises(UserError, match="saved progress is damaged.*rerun without --resume"):
       harness.run(harness.RunConfig(**cfg, resume=True), log=lambda *a: None)
-  # A deleted state directory.
   progress_json.write_text(saved)
-  for d in glob.glob(str(out / "resume" / "state_*")):
+  (unit_json,) = glob.glob(str(out / "resume" / "units" / "*" / "unit.json"))
+  unit_saved = open(unit_json).read()
+  for text in ("{garbage", json.dumps({**json.loads(unit_saved), "records": 5})):
+    with open(unit_json, "w") as f:
+      f.write(text)
+    with pytest.raises(UserError, match=r"unit.json: saved progress is damaged.*rerun without --resume"):
+      harness.run(harness.RunConfig(**cfg, resume=True), log=lambda *a: None)
+  with open(unit_json, "w") as f:
+    f.write(unit_saved)
+  # A deleted state directory.
+  for d in glob.glob(str(out / "resume" / "units" / "*" / "state_*")):
     shutil.rmtree(d)
   with pytest.raises(UserError, match="saved adaptation state is damaged or missing"):
     harness.run(harness.RunConfig(**cfg, resume=True), log=lambda *a: None)
@@ -285,23 +294,23 @@ def run_cfg(world, out, **kw):
 
 
 def interrupted(cfg, at_save: int) -> dict:
-  """Runs ``cfg`` and stops it as SIGTERM would, at its ``at_save``-th save of progress; the saved progress."""
+  """Runs ``cfg`` and stops it as SIGTERM would, at its ``at_save``-th save of a unit's progress; the saved
+  units (`harness_fixtures.saved_units`)."""
   calls = []
-  orig = progress.Resume.save
+  orig = progress.Resume.save_unit
 
-  def save(self, prog, host_state=None):
-    orig(self, prog, host_state)
+  def save(self, rec, host_state=None):
+    orig(self, rec, host_state)
     calls.append(1)
     if len(calls) == at_save:
       os.kill(os.getpid(), signal.SIGTERM)
-  progress.Resume.save = save
+  progress.Resume.save_unit = save
   try:
     with pytest.raises(SystemExit):
       harness.run(cfg, log=lambda *a: None)
   finally:
-    progress.Resume.save = orig
-  with open(os.path.join(cfg.output, "resume", "progress.json")) as f:
-    return json.load(f)
+    progress.Resume.save_unit = orig
+  return hf.saved_units(cfg.output)
 
 
 def test_source_data_is_checked_before_any_work(world, tmp_path):
@@ -343,10 +352,14 @@ def test_resume_keeps_units_without_source_statistics_and_reruns_those_whose_cha
   shutil.copytree(str(world / "data" / "fog" / "5"), str(src_b))
   ckpt = copy_ckpt(world, tmp_path, "ckpt")  # its own statistics cache
   kw = dict(checkpoint=ckpt, checkpoint_every=1, output=str(tmp_path / "o"))
-  # TENT's 4 batches and its end, CFA's first 3 batches: CFA is open with one corruption's record.
-  saved = interrupted(run_cfg(world, None, source_data=str(src_a), **kw), at_save=8)
-  assert saved["done"] == ["tent/seed1"] and saved["unit"]["key"] == "cfa/seed1"
-  assert [r["method"] for r in saved["records"]] == ["tent", "tent", "cfa"]
+  # TENT's two units (2 batches and the end each), CFA's first unit, the first batch of its second: CFA's second
+  # unit is open.
+  saved = interrupted(run_cfg(world, None, source_data=str(src_a), **kw), at_save=10)
+  tent = [f"tent/seed1/{c}" for c in CORR]
+  assert [k for k, r in saved.items() if r.done] == tent + [f"cfa/seed1/{CORR[0]}"]
+  assert [r.progress.key for r in saved.values() if not r.done] == [f"cfa/seed1/{CORR[1]}"]
+  tent_records = [rec for k in tent for rec in saved[k].records]
+  assert [r["method"] for r in tent_records] == ["tent", "tent"]
   if change == "files changed":  # one more image in the source folder: 9, not 8
     one = sorted(glob.glob(str(src_a / "*" / "*.JPEG")))[0]
     shutil.copy(one, one.replace(".JPEG", "_copy.JPEG"))
@@ -355,9 +368,10 @@ def test_resume_keeps_units_without_source_statistics_and_reruns_those_whose_cha
     source, images = src_b, 8
   lines = []
   res = harness.run(run_cfg(world, None, source_data=str(source), resume=True, **kw), log=lines.append)
-  assert any(l.startswith("cfa/seed1: its source statistics would differ") for l in lines), lines
-  assert not any(l.startswith("tent/seed1: accuracy") for l in lines)  # kept, not run again
-  assert [r for r in res["records"] if r["method"] == "tent"] == saved["records"][:2]
+  for c in CORR:  # the finished unit and the open one
+    assert any(l.startswith(f"cfa/seed1/{c}: its source statistics would differ") for l in lines), lines
+  assert not any(l.startswith("tent/seed1") for l in lines)  # kept, not run again
+  assert [r for r in res["records"] if r["method"] == "tent"] == tent_records
   cfa = [r for r in res["records"] if r["method"] == "cfa"]
   assert [r["corruption"] for r in cfa] == list(CORR)
   assert all(r["source_data"].startswith(f"{images} images of folder {source} ") for r in cfa), cfa

@@ -17,10 +17,8 @@ import sys
 
 import numpy as np
 import pytest
-from PIL import Image
 
 import harness_fixtures as hf
-from pcsr_jax.data import imagenet
 from pcsr_jax.errors import UserError
 from pcsr_jax.experiments import ablations, common, imagenet_c, imagenet_rav, wild
 
@@ -38,12 +36,7 @@ PROCESS = ("cpu_devices", "coordinator", "num_processes", "process_id", "distrib
 def world(tmp_path_factory):
   root = tmp_path_factory.mktemp("flags")
   hf.make_world(root, ("gaussian_noise", "fog"), classes=2, per_class=4)
-  r_root = root / "imagenet-r"
-  for w in imagenet.wnids("imagenet_r")[:2]:
-    os.makedirs(r_root / w)
-    for k in range(4):
-      Image.fromarray(np.random.default_rng(k).integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(
-          r_root / w / f"{k}.jpg")
+  hf.make_imagenet_r(str(root / "imagenet-r"), classes=2, per_class=4)
   from test_data import make_visda
 
   make_visda(root / "visda", np.random.default_rng(1))
@@ -86,6 +79,14 @@ def cases(world, command: str, mode: str) -> list[tuple[list[str], object]]:
       (["--dtype", "bfloat16"], {"dtype": "bfloat16"}),
       (["--attention", "xla"], {"attention": "xla"}),
       (["--row-chunk", "8"], {"row_chunk": 8}),
+      (["--devices-per-unit", "1"], {"devices_per_unit": 1}),
+      (["--devices-per-unit", "0"], r"^--devices-per-unit: expected a positive integer, got 0"),
+      (["--join"], {"join": True}),
+      (["--join", "--claim-timeout", "5"], {"claim_timeout": 5.0}),
+      (["--join", "--claim-timeout", "0"], r"^--claim-timeout: expected a number of seconds > 0, got 0"),
+      (["--claim-timeout", "5"], r"^--claim-timeout: for workers of a shared table \(--join\)"),
+      (["--join", "--expect-workers", "2"], {"expect_workers": 2}),
+      (["--expect-workers", "2"], r"^--expect-workers: for workers of a shared table \(--join\)"),
       (["--ccc-speed", "0"], r"^--ccc-speed: expected a positive integer"),  # checked whatever the setting
       (["--ccc-length", str(10 ** 12)], r"^--ccc-length: expected a positive integer up to"),
       (["--ccc-target", "40"], r"^--ccc-target: for --setting ccc"),
@@ -308,7 +309,8 @@ def test_flags_reach_results_json_builtin(tmp_path):
                       *flags], capture_output=True, text=True, timeout=900)
   assert r.returncode == 0, r.stderr[-3000:]
   res = read_config(out)
-  assert res["config"] == as_json(build("imagenet_c", flags)[""])
+  built = as_json(build("imagenet_c", flags)[""])  # this process has one CPU device; the run had two, one group
+  assert res["config"] == {**built, "devices_per_unit": 2}
   assert res["config"]["limit"] == 16 and res["config"]["imbalance_ratio"] == 10
   assert {rec["num_samples"] for rec in res["records"]} == {16}
   assert res["versions"]["devices"].count("CpuDevice") == 2
@@ -323,13 +325,13 @@ def test_flags_reach_results_json_with_data(world, tmp_path):
            "--limit", "4", "--no-shuffle", "--setting", "continual", "--no-progress", "--workers", "1", "--output",
            str(out)]
   imagenet_c.main(flags)
-  assert read_config(out)["config"] == as_json(build("imagenet_c", flags)[""])
+  assert read_config(out)["config"] == {**as_json(build("imagenet_c", flags)[""]), "devices_per_unit": 1}
   flags = ["--data", str(world / "data"), "--checkpoint", str(world / "ckpt"), "--corruptions", "fog",
            "--methods", "source", "--seeds", "1", "--batch-size", "4", "--limit", "4", "--imbalance-ratio", "10",
            "--no-progress", "--output", str(tmp_path / "wild")]
   wild.main(flags)
   for row, cfg in build("wild", flags).items():
-    assert read_config(tmp_path / "wild" / row)["config"] == as_json(cfg), row
+    assert read_config(tmp_path / "wild" / row)["config"] == {**as_json(cfg), "devices_per_unit": 1}, row
   assert read_config(tmp_path / "wild" / "label_shifts")["config"]["imbalance_ratio"] == 10
 
 

@@ -12,7 +12,6 @@ import time
 import jax
 import numpy as np
 import pytest
-from PIL import Image
 
 import float_checks
 import harness_fixtures as hf
@@ -183,15 +182,10 @@ def test_sigkill_and_resume_is_bit_identical(world, tmp_path):
   out = tmp_path / "killed"
   p = subprocess.Popen([sys.executable, os.path.join(ROOT, "experiments", "imagenet_c.py"), *args, "--output",
                         str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  prog = out / "resume" / "progress.json"
   deadline = time.time() + 300
   while time.time() < deadline:  # kill in the middle of the second method's stream
-    try:
-      state = json.loads(prog.read_text())
-      if state.get("unit") and state["unit"]["key"].startswith("pcsr") and state["unit"]["batch"] >= 2:
-        break
-    except (OSError, ValueError):
-      pass
+    if any(u["key"].startswith("pcsr") and u["batch"] >= 2 for u in hf.open_units(out)):
+      break
     time.sleep(0.05)
   else:
     pytest.fail("the run never reached the kill point")
@@ -224,14 +218,10 @@ def test_loader_processes_same_results_and_ctrl_c_of_the_process_group_saves_pro
   p = subprocess.Popen([sys.executable, os.path.join(ROOT, "experiments", "imagenet_c.py"), *args, "--loader",
                         "processes", "--output", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                        text=True, start_new_session=True)
-  prog = out / "resume" / "progress.json"
   deadline = time.time() + 300
   while time.time() < deadline and p.poll() is None:  # stop in the middle of the first corruption
-    try:
-      if json.loads(prog.read_text()).get("unit", {}).get("batch", 0) >= 2:
-        break
-    except (OSError, ValueError, AttributeError):
-      pass
+    if any(u["batch"] >= 2 for u in hf.open_units(out)):
+      break
     time.sleep(0.02)
   assert p.poll() is None, "the run ended before the stop point"
   os.killpg(p.pid, signal.SIGINT)  # as Ctrl-C in a terminal: the harness and every decode worker
@@ -280,14 +270,7 @@ def test_preset_scripts_run(world, tmp_path, capsys):
   load_script("ablations").main([*d, *common, "--table", "qkv", "--output", str(tmp_path / "abl")])
   summary = (tmp_path / "abl" / "summary.md").read_text()
   assert "| qkv=independent | pcsr |" in summary and "| qkv=shared | pcsr |" in summary
-  from pcsr_jax.data import imagenet
-
-  r_root = tmp_path / "imagenet-r"
-  for w in imagenet.wnids("imagenet_r")[:3]:
-    os.makedirs(r_root / w)
-    for k in range(3):
-      Image.fromarray(np.random.default_rng(k).integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(
-          r_root / w / f"{k}.jpg")
+  r_root = hf.make_imagenet_r(str(tmp_path / "imagenet-r"))
   load_script("imagenet_rav").main(["--imagenet-r", str(r_root), *common, "--methods", "source",
                                     "--output", str(tmp_path / "rav")])
   rec = json.loads((tmp_path / "rav" / "imagenet_r" / "results.json").read_text())["records"][0]
@@ -335,8 +318,9 @@ def test_the_log_file_the_domain_lines_the_minute_lines_and_the_table_caption(wo
     c = rec["corruption"]
     line = next(l for l in lines if l.startswith(f"source/seed1 {c}:"))
     assert f"accuracy {100 * rec['accuracy']:.1f}% on {c} (20 images); running accuracy" in line, line
-  batch_lines = [l for l in lines if l.startswith("source/seed1: batch ")]
-  assert [l.split(" (")[0] for l in batch_lines] == [f"source/seed1: batch {k} of 10" for k in range(1, 11)]
+  batch_lines = [l for l in lines if l.startswith("source/seed1/") and ": batch " in l]  # a unit per domain
+  assert [l.split(" (")[0] for l in batch_lines] == [f"source/seed1/{r['corruption']}: batch {k} of 5"
+                                                     for r in res["records"] for k in range(1, 6)]
   caption = (tmp_path / "table.md").read_text().split("\n")[0]
   assert caption.startswith("Online accuracy (%) of each method on each domain and their average (severity 5, "
                             "setting normal), mean ± std over seed 1; 20 images per domain")
@@ -350,8 +334,9 @@ def test_unit_progress_json_round_trip():
                            total_seconds=2.0, counts={"fog": [1, 2, 1, 2]}, preds={"fog": [["a"], [1], [1]]})
   back = progress.UnitProgress.from_json(json.loads(json.dumps(u.to_json())))
   assert back == u
-  p = progress.RunProgress(config_key="k", records=[{"a": 1}], done=["x"], unit=u, state_dir="state_1")
-  assert progress.RunProgress.from_json(json.loads(json.dumps(p.to_json()))) == p
+  r = progress.UnitRecord("sar/seed1", source_key="none", progress=u, records=[{"a": 1}], state_dir="state_1",
+                          curve={"seen": [4], "correct": [1]}, skipped=["fog/x.JPEG"])
+  assert progress.UnitRecord.from_json(json.loads(json.dumps(r.to_json()))) == r
   u.close_segment()
   assert (u.segment, u.batch, u.seconds, u.skipped, u.total_seconds) == (2, 0, 0.0, 0, 2.5)
 

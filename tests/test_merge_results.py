@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 
 import numpy as np
 import pytest
@@ -114,22 +115,35 @@ def test_runs_of_other_seeds_merge_unit_by_unit_and_a_method_with_fewer_seeds_sa
 
 
 def test_partial_takes_only_the_finished_units_of_a_run_under_way(run, tmp_path):
+  """What the harness saves mid-run (the manifest and a record per unit, through `progress.Resume`): source's
+  units all finished, tent seed 1's first corruption finished and the rest not, one of those held by a worker.
+  Only source is merged, and the units left out are named (claimed or not)."""
   from pcsr_jax import progress
 
   data, table = run
-  out = tmp_path / "under_way" / "resume"
-  out.mkdir(parents=True)
-  # What the harness saves mid-run: every record so far (tent seed 1's first corruption among them), done units.
-  started = [r for r in data["records"] if r["method"] == "source" or (r["seed"], r["corruption"]) == (1, CORR[0])]
-  prog = progress.RunProgress(config_key=progress.config_key(data["config"], "digest"), records=started,
-                              done=["source/seed1", "source/seed2"],
-                              throughput={k: v for k, v in data["throughput"].items() if k.startswith("source/")})
-  (out / "progress.json").write_text(json.dumps(prog.to_json()))
+  resume = progress.Resume(str(tmp_path / "under_way"))
+  keys = [f"{m}/seed{s}/{c}" for s in (1, 2) for m in ("source", "tent") for c in CORR]
+  resume.start(dict(config_key=progress.config_key(data["config"], "digest"), data_key="d", units=keys,
+                    source_keys={}))
+  for r in data["records"]:
+    if r["method"] == "source" or (r["seed"], r["corruption"]) == (1, CORR[0]):
+      n = r["num_samples"]
+      resume.save_unit(progress.UnitRecord(f"{r['method']}/seed{r['seed']}/{r['corruption']}", done=True,
+                                           records=[r], curve={"seen": [n], "correct": [round(r["accuracy"] * n)]},
+                                           throughput=dict(images=n, seconds=1.0, images_per_s=float(n))))
+  claims = os.path.join(resume.dir, "claims")
+  os.makedirs(claims)
+  open(os.path.join(claims, progress.unit_folder(f"tent/seed1/{CORR[1]}")), "w").close()
   with pytest.raises(UserError, match=r"under_way/results.json: not found"):
     merge_results.main([str(tmp_path / "under_way")])
-  rows = merge_results.merge([merge_results.load(str(tmp_path / "under_way"), partial=True)]).strip().split("\n")
+  loaded = merge_results.load(str(tmp_path / "under_way"), partial=True)
+  assert loaded["missing"] == [k for k in keys if k.startswith("tent/") and k != f"tent/seed1/{CORR[0]}"]
+  line = merge_results.report_missing(loaded)
+  assert f"held by a worker: tent/seed1/{CORR[1]} (heartbeat" in line and f"unclaimed: tent/seed2/{CORR[0]}" in line
+  rows = merge_results.merge([loaded]).strip().split("\n")
   assert len(rows) == 3 and rows[2].rstrip(" |").rsplit("|", 1)[0] + "|" == table.strip().split("\n")[2]
-  (out / "progress.json").write_text("{}")
+  with open(resume.path, "w") as f:
+    f.write("{}")
   with pytest.raises(UserError, match=r"progress.json: not a readable progress file \(KeyError"):
     merge_results.main([str(tmp_path / "under_way"), "--partial"])
   (tmp_path / "empty").mkdir()

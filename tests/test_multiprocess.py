@@ -91,12 +91,7 @@ def assert_same_results(a, b) -> None:
   key = lambda r: (r["method"], r["corruption"], r["seed"], r["accuracy"], r["num_samples"], r["num_skipped"])
   assert sorted(map(key, ra["records"])) == sorted(map(key, rb["records"]))
   assert sorted(ra["skipped"]) == sorted(rb["skipped"])
-  files = sorted(os.listdir(a / "predictions"))
-  assert files == sorted(os.listdir(b / "predictions")) and files
-  for f in files:
-    x, y = np.load(a / "predictions" / f), np.load(b / "predictions" / f)
-    for k in ("file_names", "labels", "predictions"):
-      np.testing.assert_array_equal(x[k], y[k], err_msg=f"{f}:{k}")
+  assert hf.same_predictions(a, b)
 
 
 @pytest.fixture(scope="module")
@@ -126,16 +121,14 @@ def test_two_processes_match_one_and_write_one_set_of_outputs(builtin_runs):
   assert json.loads((d / "two" / "results.json").read_text())["processes"] == 2
 
 
-def wait_for(prog, method: str, batch: int, procs) -> None:
-  """Until the saved progress is in ``method``'s stream at ``batch`` or later (after a periodic save)."""
+def wait_for(out, method: str, batch: int, procs) -> dict:
+  """Until the saved progress is in ``method``'s stream at ``batch`` or later (after a periodic save); that unit's
+  saved position."""
   deadline = time.time() + TIMEOUT_S
   while time.time() < deadline:
-    try:
-      unit = json.loads(prog.read_text()).get("unit")
-      if unit and unit["key"].startswith(method) and unit["batch"] >= batch:
-        return
-    except (OSError, ValueError):
-      pass
+    for unit in hf.open_units(out):
+      if unit["key"].startswith(method) and unit["batch"] >= batch:
+        return unit
     if any(p.poll() is not None for p, _ in procs):
       wait(procs, timeout=10)
       pytest.fail("a process ended before the stop point; logs:\n" + "\n".join(tail(l) for _, l in procs))
@@ -150,15 +143,14 @@ def test_stop_on_one_process_and_resume_after_one_is_killed(builtin_runs, tmp_pa
   other exits within the heartbeat timeout instead of hanging. Resumed again: the uninterrupted results."""
   d, args, _, _ = builtin_runs
   out = tmp_path / "stopped"
-  prog = out / "resume" / "progress.json"
   procs = launch(args, out, 2, tmp_path)
-  wait_for(prog, "source", 2, procs)
+  wait_for(out, "source", 2, procs)
   procs[1][0].send_signal(signal.SIGINT)
   assert wait(procs) == [130, 130]
   assert "interrupted: progress saved" in tail(procs[0][1])
-  stopped_at = json.loads(prog.read_text())["unit"]
+  stopped_at = max(hf.open_units(out), key=lambda u: u["batch"])
   procs = launch(args + ["--resume"], out, 2, tmp_path)
-  wait_for(prog, "tent", 2, procs)
+  wait_for(out, "tent", 2, procs)
   t_kill = time.time()
   procs[1][0].send_signal(signal.SIGKILL)
   codes = wait(procs, timeout=6 * HEARTBEAT_S)  # the survivor must not hang in a collective

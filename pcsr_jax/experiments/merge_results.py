@@ -7,8 +7,9 @@ hosts or cores) than as one. This reads each run's ``results.json``, checks that
 (the settings in `SAME`), takes each (method, seed) unit from the one run that has it, and writes the Table 1
 layout of `results.table` with one more column: each method's images/s, the median over its units of the images
 it adapted on over the seconds they took, followed by its seeds where a method has fewer than another.
-``--partial`` also takes the finished units of a run still under way (its ``resume/progress.json``), so that a
-run whose slowest methods are left to finish elsewhere still gives its finished ones.
+``--partial`` also takes the finished units of a run still under way (its ``resume/``), so that a run whose
+slowest methods are left to finish elsewhere still gives its finished ones; it says which units are missing and
+which a worker holds, with its last heartbeat.
 
 A long run split over processes that share a machine (or were paused) times each unit against its neighbours,
 so its img/s say little about a method's speed. ``--speed RUN`` takes the img/s column from another finished
@@ -21,6 +22,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
+import time
 from typing import Sequence
 
 import numpy as np
@@ -37,21 +40,43 @@ SAME_SPEED = ("data", "dataset", "setting", "batch_size", "dtype")
 
 
 def load_progress(run: str) -> dict:
-  """The finished units of a run still under way, from its ``resume/progress.json`` (what ``--resume`` reads),
-  in `load`'s form: its records and images/s of those units only."""
-  path = os.path.join(run, "resume", "progress.json")
+  """The finished (method, seed)s of a run still under way, from its ``resume/`` (what ``--resume`` reads: the
+  manifest and each unit's record), in `load`'s form: their records and images/s only, a (method, seed) whose
+  units are not all finished left out. ``missing`` lists the units not finished, ``claims`` those a worker holds
+  (with the seconds since its last heartbeat: a large one is a dead worker's, taken over after the timeout)."""
+  from pcsr_jax import progress
+
+  resume = progress.Resume(run)
   try:
-    with open(path, encoding="utf-8") as f:
-      progress = json.load(f)
-    done = set(progress["done"])
-    config = json.loads(progress["config_key"])
-    records = [r for r in progress["records"] if f"{r['method']}/seed{r['seed']}" in done]
-    throughput = {k: v for k, v in progress["throughput"].items() if k in done}
+    with open(resume.path, encoding="utf-8") as f:
+      manifest = json.load(f)
+    config = json.loads(manifest["config_key"])
+    keys = list(manifest["units"])
   except FileNotFoundError:
     raise UserError(f"{run}: neither results.json nor resume/progress.json; expected a run's output folder") from None
   except (OSError, ValueError, KeyError, TypeError) as e:
-    raise UserError(f"{path}: not a readable progress file ({type(e).__name__}: {e})") from None
-  return dict(config=config, records=records, throughput=throughput, complete=False, path=path)
+    raise UserError(f"{resume.path}: not a readable progress file ({type(e).__name__}: {e})") from None
+  recs = {k: resume.load_unit(k) for k in keys}
+  missing = [k for k in keys if recs[k] is None or not recs[k].done]
+  open_stems = {progress.stem(k) for k in missing}
+  merged = progress.merge([r for k, r in recs.items() if k not in missing and progress.stem(k) not in open_stems])
+  claims = {}
+  for k in missing:
+    path = os.path.join(resume.dir, "claims", progress.unit_folder(k))
+    if os.path.isfile(path):
+      claims[k] = time.time() - os.stat(path).st_mtime
+  return dict(config=config, records=merged.records, throughput=merged.throughput, complete=False, path=resume.path,
+              missing=missing, claims=claims)
+
+
+def report_missing(run: dict) -> str:
+  """One line on a run under way's units not finished: how many, which, and the claims' heartbeats."""
+  if not run.get("missing"):
+    return ""
+  held = ", ".join(f"{k} (heartbeat {age:.0f} s ago)" for k, age in run["claims"].items())
+  free = [k for k in run["missing"] if k not in run["claims"]]
+  return (f"{run['path']}: {len(run['missing'])} unit(s) not finished, left out with their method and seed"
+          + (f"; held by a worker: {held}" if held else "") + (f"; unclaimed: {', '.join(free)}" if free else ""))
 
 
 def load(run: str, partial: bool = False) -> dict:
@@ -142,7 +167,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--speed", help="take each method's img/s from this finished run (its folder or results.json) "
                  "instead: one with the machine to itself, of the same dataset, setting, batch size and dtype")
   a = p.parse_args(argv)
-  table = merge([load(r, a.partial) for r in a.runs], speed=load(a.speed) if a.speed else None)
+  runs = [load(r, a.partial) for r in a.runs]
+  for run in runs:
+    if report_missing(run):
+      print(report_missing(run), file=sys.stderr)
+  table = merge(runs, speed=load(a.speed) if a.speed else None)
   print(table, end="")
   if a.output:
     with open(a.output, "w", encoding="utf-8") as f:
