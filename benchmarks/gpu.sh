@@ -4,8 +4,11 @@
 # optax, orbax) and this checkout (`python -m benchmarks.gpu_report`, from its root). Writes report.json,
 # report.md and logs to $OUT if set.
 #
-#   bash benchmarks/gpu.sh                 # on the GPU machine (ViT-B/16, batch 64; budget 390 s)
-#   bash benchmarks/gpu.sh --cpu-smoke     # dry run of the whole pipeline on a CPU (ViT-Ti, batch 4, 1 step)
+#   bash benchmarks/gpu.sh --part A        # on the GPU machine: part A of three (A, B, C), at most 450 s each,
+#   bash benchmarks/gpu.sh --part B        #   one GPU command each (ViT-B/16, batch 64; gpu_report's docstring)
+#   bash benchmarks/gpu.sh --part C        #   (C: MEMO at batch 16); report.json is written as results come
+#   bash benchmarks/gpu.sh                 # every method in one command (budget 390 s: not all of them finish)
+#   bash benchmarks/gpu.sh --cpu-smoke --part A   # dry run of a part on a CPU (ViT-Ti, batch 4, 1 step)
 #
 # Extra flags go to benchmarks/gpu_report.py (e.g. --methods source,tent --budget-s 300).
 set -u

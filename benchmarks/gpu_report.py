@@ -9,9 +9,9 @@ Phases, each in its own subprocess with a deadline (a hang or crash costs that p
    converted by the `convert_weights` pipeline; both frameworks and the harness use these weights.
 2. *torch*: the PyTorch reference (`benchmarks/torch_reference.py`) of every method, eager float32 and the
    whole step under bf16 autocast, on one batch kept on the GPU.
-3. *jax*: the engine's step of every method in float32 and with a bfloat16 backbone (`models.vit` ``dtype``;
-   cuDNN fused attention on a GPU, falling back to the matmul attention when cuDNN refuses), on one batch
-   kept on the device. Steps are lowered and compiled a group of ``--compile-threads`` at a time in threads
+3. *jax*: the engine's step of every method in float32 and with a bfloat16 backbone (`models.vit` ``dtype``),
+   each with the default ``--attention auto`` (on a GPU: XLA's attention in float32, cuDNN's fused attention
+   in bf16, falling back to the matmul attention when cuDNN refuses), on one batch kept on the device. Steps are lowered and compiled a group of ``--compile-threads`` at a time in threads
    (XLA's compiler releases the GIL), the first two alone so that the GEMM autotuning cache is warm for the
    others; each group is timed step by step once its compiles are done. The slowest methods run last.
 4. *e2e*: ``experiments/imagenet_c.py`` (the harness, every core decoding, ``--loader`` from ``--e2e-loader``:
@@ -19,7 +19,14 @@ Phases, each in its own subprocess with a deadline (a hang or crash costs that p
    fastest step, so the hardest to feed) and TENT; the steady-state img/s is the second corruption's (the step
    compiles during the first), set against the bare step's img/s and the decode-only img/s, which is also
    measured at 1, 2, 4, ... threads and processes (where each loader stops scaling).
-5. *extras* (time permitting): JAX bf16 with the matmul attention, to show what cuDNN attention buys.
+5. *extras* (time permitting): JAX with the matmul attention (the default before ``auto``) in both dtypes, to
+   show what the resolved kernels buy.
+
+Parts (``--part``): the report in three commands of at most 450 s each (one GPU command is 10 minutes), the
+methods that changed or never ran on a GPU first: A ``source, tent, sar, pcsr, pcsr-frozen, dept-g, dda`` and
+the end-to-end phase; B ``t3a, eta, eata, deyo, cfa, spa, roid, cmf, foa``; C ``cotta, adacontrast, memo``
+(MEMO at batch 16: ``--batch-sizes memo=16``). ``report.json`` is rewritten after every result, so a part cut
+off still leaves what it measured in ``--out``.
 
 Timing: ``--warmup`` steps after the first (compile) step, then ``--steps`` steps, each waited for (JAX
 ``block_until_ready``, ``torch.cuda.synchronize``); the warm-up and the timing each stop after ``--max-job-s``
@@ -109,7 +116,8 @@ def worker_jax(a) -> None:
 
   from benchmarks import method_args
   from benchmarks import step_throughput as st
-  from pcsr_jax import engine, methods
+  from pcsr_jax import engine, methods, platforms
+  from pcsr_jax.models import vit
   from pcsr_jax.models.vit import compute_dtype
 
   model0, params, x = st.jax_inputs(a.arch, a.batch_size, os.path.join(a.work, "ckpt"))
@@ -127,7 +135,9 @@ def worker_jax(a) -> None:
     method_name, dtype, _ = job.split(":")
     t0 = time.perf_counter()
     with precision(dtype):  # thread-local config: set in the thread that lowers
-      model = model0.clone(dtype=compute_dtype(dtype), attention=attention)
+      # Resolved for this platform first (`vit.for_platform`): a method's arguments (DePT-G's prompts) apply it.
+      model = vit.for_platform(model0.clone(dtype=compute_dtype(dtype), attention=attention),
+                               platforms.of_devices(jax.devices()))
       method = methods.get(method_name, **method_args.jax_args(method_name, model, params))
       stats = None
       if method.uses_source_data():  # statistics of random "source" batches: the step's cost does not depend on them
@@ -139,8 +149,8 @@ def worker_jax(a) -> None:
       ad = engine.Adapter(method, model, params, batch_size=a.batch_size, source_stats=stats)
       placed = ad.place(x)
       lowered = ad._step.lower(ad.frozen, ad.consts, ad.init_state(), *placed)
-      used = attention
-      if attention == "cudnn" and "cudnn" not in lowered.as_text().lower():
+      used = ad.prep.model.attention  # what auto resolved to on this platform
+      if used == "cudnn" and "cudnn" not in lowered.as_text().lower():
         used = "matmul"  # the model fell back while tracing (no cuDNN, or a shape/dtype it refuses)
       compiled = lowered.compile()
     return dict(ad=ad, placed=placed, compiled=compiled, compile_s=time.perf_counter() - t0, attention=used)
@@ -150,7 +160,7 @@ def worker_jax(a) -> None:
     try:
       return build(job, attention)
     except Exception as e:  # noqa: BLE001
-      if attention != "cudnn":
+      if attention not in ("cudnn", "auto"):
         raise
       out = build(job, "matmul")  # cuDNN failed at compile time: the matmul attention instead
       out["attention_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
@@ -271,7 +281,14 @@ class Report:
     self.a = a
     self.t0 = time.monotonic()
     self.data: dict[str, Any] = dict(config={k: v for k, v in vars(a).items() if k != "worker"}, phases={},
-                                     info={}, results={}, failures={})
+                                     info={}, results={}, failures={}, so_far={})
+
+  def save(self) -> None:
+    """report.json in ``--out`` as it stands (every result so far under ``so_far``)."""
+    if self.a.out:
+      os.makedirs(self.a.out, exist_ok=True)
+      with open(os.path.join(self.a.out, "report.json"), "w") as f:
+        json.dump(self.data, f, indent=1, default=str)
 
   def left(self) -> float:
     return self.a.budget_s - (time.monotonic() - self.t0)
@@ -311,6 +328,8 @@ class Report:
             self.data["info"].update(payload)
           elif kind == "RESULT":
             results[payload["job"]] = payload
+            self.data["so_far"].setdefault(phase, {})[payload["job"]] = payload
+            self.save()  # a part cut off by its command's limit still leaves what it measured
             if payload["job"] in todo:
               todo.remove(payload["job"])
             self.log(f"{phase} {payload['job']}: " + (f"FAILED {payload['error']}" if "error" in payload else
@@ -388,14 +407,14 @@ def tables(rep: Report, names: list[str], bf16_attention: str) -> str:
   jx, tc = res.get("jax", {}), res.get("torch", {})
   lines = [f"## Step throughput, img/s ({a.arch}, batch {a.batch_size}, {a.steps} timed steps after {a.warmup} "
            f"warm-up; {info.get('device_kind', info.get('device', '?'))})", "",
-           f"float32 matmuls: {a.fp32_matmul} on both sides; JAX bf16: bfloat16 backbone (float32 params, "
-           f"optimizer state, losses), attention '{bf16_attention}'; torch autocast: the whole step under "
-           f"bf16 autocast.", "",
+           f"float32 matmuls: {a.fp32_matmul} on both sides; JAX fp32 attention 'auto'; JAX bf16: bfloat16 "
+           f"backbone (float32 params, optimizer state, losses), attention '{bf16_attention}' (the kernel each "
+           f"ran: the notes); torch autocast: the whole step under bf16 autocast.", "",
            "| method | JAX fp32 | torch fp32 | ratio | JAX bf16 | torch autocast | ratio |",
            "|---|---|---|---|---|---|---|"]
   notes = []
   for m in names:
-    j32, jbf = jx.get(f"{m}:float32:matmul"), jx.get(f"{m}:bfloat16:{bf16_attention}")
+    j32, jbf = jx.get(f"{m}:float32:auto"), jx.get(f"{m}:bfloat16:{bf16_attention}")
     t32, tbf = tc.get(f"{m}:float32"), tc.get(f"{m}:bfloat16")
     lines.append(f"| {m} | {fmt(j32)} | {fmt(t32)} | {ratio(j32, t32)} | {fmt(jbf)} | {fmt(tbf)} | "
                  f"{ratio(jbf, tbf)} |")
@@ -404,17 +423,26 @@ def tables(rep: Report, names: list[str], bf16_attention: str) -> str:
         notes.append(f"- {r['job']}: {r['error']}")
       elif r and r.get("attention_error"):
         notes.append(f"- {r['job']}: cuDNN attention failed ({r['attention_error']}); measured with 'matmul'")
-      elif r and r.get("attention") and r["attention"] != r["job"].split(":")[-1]:
-        notes.append(f"- {r['job']}: ran with attention '{r['attention']}' (cuDNN unavailable at trace time)")
+      elif r and r.get("attention") == "matmul" and r["job"].split(":")[-1] in ("cudnn", "auto") and \
+          r["job"].split(":")[1] == "bfloat16" and rep.data["info"].get("backend") == "gpu":
+        notes.append(f"- {r['job']}: ran with attention 'matmul' (cuDNN unavailable at trace time)")
       if r and r.get("timed_steps", a.steps) < a.steps:
         notes.append(f"- {r['job']}: {r['timed_steps']} timed step(s) (--max-job-s {a.max_job_s:g})")
+  sizes = rep.data.get("batch_sizes", {})
+  notes += [f"- {m}: batch {b}" for m, b in sizes.items() if b != a.batch_size]
+  for m in names:
+    kernels = {r["job"].split(":")[1]: r.get("attention") for r in (jx.get(f"{m}:float32:auto"),
+                                                                    jx.get(f"{m}:bfloat16:{bf16_attention}"))
+               if r and "error" not in r}
+    if kernels:
+      notes.append(f"- {m}: attention " + ", ".join(f"{d} {k}" for d, k in kernels.items()))
   lines += [""] + notes
-  extras = {k: v for k, v in jx.items() if k.endswith(":bfloat16:matmul") and bf16_attention != "matmul"}
+  extras = {k: v for k, v in jx.items() if k.endswith(":matmul") and bf16_attention != "matmul"}
   if extras:
-    lines += ["", "JAX bf16, matmul vs cuDNN attention (img/s):", "", "| method | matmul | cudnn |", "|---|---|---|"]
+    lines += ["", "JAX, matmul attention vs auto (img/s):", "", "| method | dtype | matmul | auto |", "|---|---|---|---|"]
     for k, r in extras.items():
-      m = k.split(":")[0]
-      lines.append(f"| {m} | {fmt(r)} | {fmt(jx.get(f'{m}:bfloat16:cudnn'))} |")
+      m, d, _ = k.split(":")
+      lines.append(f"| {m} | {d} | {fmt(r)} | {fmt(jx.get(f'{m}:{d}:auto'))} |")
   e2e = res.get("e2e", {})
   if e2e:
     lines += ["", f"## End to end (harness, {len(CORRUPTIONS)} corruptions x {a.e2e_images} generated 224 px JPEGs, "
@@ -455,12 +483,58 @@ def run_order(names: Sequence[str]) -> list[str]:
   return sorted(names, key=lambda m: SLOW_LAST.index(m) + 1 if m in SLOW_LAST else 0)
 
 
+PART_S = 450.0  # each part's budget: one GPU command (600 s) with margin for the machine's start and the copy
+PARTS = {
+    "A": dict(methods="source,tent,sar,pcsr,pcsr-frozen,dept-g,dda", e2e=True),
+    "B": dict(methods="t3a,eta,eata,deyo,cfa,spa,roid,cmf,foa", e2e=False),
+    "C": dict(methods="cotta,adacontrast,memo", e2e=False, batch_sizes="memo=16"),
+}
+
+
+def apply_part(a) -> None:
+  """``--part``: its methods, batch sizes and end-to-end phase, and a budget of at most `PART_S`."""
+  if a.part is None:
+    return
+  part = PARTS[a.part]
+  a.methods = a.methods or part["methods"]
+  a.batch_sizes = a.batch_sizes or part.get("batch_sizes")
+  if not part["e2e"]:
+    a.e2e_methods, a.e2e_s = "none", 0.0
+  if not a.cpu_smoke:
+    a.budget_s = min(a.budget_s, PART_S)
+    a.reserve_s = min(a.reserve_s, 0.55 * a.budget_s)
+
+
+def batch_sizes(a, names: Sequence[str]) -> dict[str, int]:
+  """Each method's batch: ``--batch-size``, or its ``--batch-sizes`` entry (``memo=16,cotta=32``)."""
+  out = {m: a.batch_size for m in names}
+  for item in filter(None, (a.batch_sizes or "").split(",")):
+    m, _, b = item.partition("=")
+    if not b.isdigit() or int(b) < 1:
+      raise SystemExit(f"--batch-sizes: expected method=positive integer, got '{item}'")
+    if m in out:
+      out[m] = int(b)
+  return out
+
+
+def run_batched(rep: "Report", phase: str, jobs: list[str], sizes: dict[str, int], deadline_s: float,
+                extra: Sequence[str] = ()) -> dict:
+  """`Report.run_worker` once per batch size among the jobs' methods (in the jobs' order)."""
+  out: dict[str, dict] = {}
+  end = time.monotonic() + deadline_s
+  for b in dict.fromkeys(sizes[j.split(":")[0]] for j in jobs):
+    mine = [j for j in jobs if sizes[j.split(":")[0]] == b]
+    out.update(rep.run_worker(phase, mine, end - time.monotonic(), ["--batch-size", str(b), *extra]))
+  return out
+
+
 def driver(a) -> int:
   from pcsr_jax import methods
 
   if a.cpu_smoke:  # ViT-Ti's width and depth at patch 32 (50 tokens): every phase and method, quickly
     a.arch, a.batch_size, a.steps, a.warmup, a.e2e_images = "vit_tiny_patch32_224", 4, 1, 0, 16
     a.compile_threads, a.budget_s, a.torch_s, a.reserve_s = 2, max(a.budget_s, 900), 400, 0
+  apply_part(a)
   rep = Report(a)
   own_work = a.work is None
   a.work = os.path.abspath(a.work or tempfile.mkdtemp(prefix="pcsr_gpu_report_"))  # the workers run from ROOT
@@ -473,7 +547,11 @@ def driver(a) -> int:
       rep.log(f"skipping {m}: no PyTorch reference (benchmarks/torch_methods/{m.replace('-', '_')}.py)")
       rep.data["failures"][m] = "no PyTorch reference"
       names.remove(m)
-  rep.log(f"methods: {', '.join(names)}; {a.arch}, batch {a.batch_size}; budget {a.budget_s:.0f} s; work {a.work}")
+  sizes = batch_sizes(a, names)
+  rep.data["batch_sizes"] = sizes
+  rep.log(f"methods: {', '.join(names)}; {a.arch}, batch {a.batch_size}"
+          f"{''.join(f', {m} {b}' for m, b in sizes.items() if b != a.batch_size)}; budget {a.budget_s:.0f} s; "
+          f"work {a.work}{'; part ' + a.part if a.part else ''}")
 
   t = time.monotonic()
   prep = rep.run_worker("prepare", ["prepare"], min(240, rep.left()))
@@ -492,22 +570,19 @@ def driver(a) -> int:
   t = time.monotonic()
   order = run_order(names)
   jobs = [f"{m}:{d}" for m in order for d in ("float32", "bfloat16")]
-  rep.data["results"]["torch"] = rep.run_worker("torch", jobs, min(a.torch_s, rep.left() - a.reserve_s))
+  rep.data["results"]["torch"] = run_batched(rep, "torch", jobs, sizes, min(a.torch_s, rep.left() - a.reserve_s))
   rep.phase("torch", time.monotonic() - t)
 
   t = time.monotonic()
-  gpu = rep.data["info"].get("device", "cpu") != "cpu" or shutil.which("nvidia-smi") is not None
-  attention = "cudnn" if gpu and not a.no_cudnn else "matmul"
-  jobs = [f"{m}:{d}" for m in order for d in ("float32:matmul", f"bfloat16:{attention}")]
-  jax_res = rep.run_worker("jax", jobs, rep.left() - a.e2e_s)
+  attention = "matmul" if a.no_cudnn else "auto"  # bf16's; float32 always runs the default, auto
+  jobs = [f"{m}:{d}" for m in order for d in ("float32:auto", f"bfloat16:{attention}")]
+  jax_res = run_batched(rep, "jax", jobs, sizes, rep.left() - a.e2e_s)
   rep.data["results"]["jax"] = jax_res
   rep.phase("jax", time.monotonic() - t)
 
-  if jax_res:  # the attention the bf16 steps actually ran with (a cuDNN refusal falls back to matmul)
-    used = [r.get("attention") for k, r in jax_res.items() if ":bfloat16:" in k and "error" not in r]
-    e2e_attention = attention if attention in used else "matmul"
-  else:
-    e2e_attention = "matmul"
+  # The e2e runs the harness with the kernel the bf16 steps ran with (auto, unless cuDNN refused: matmul).
+  used = [r.get("attention") for k, r in jax_res.items() if ":bfloat16:" in k and "error" not in r]
+  e2e_attention = attention if used and "matmul" not in used else "matmul"
   t = time.monotonic()
   e2e_methods = [m for m in a.e2e_methods.split(",") if m in names]
   if e2e_methods and rep.left() > 20:
@@ -516,9 +591,9 @@ def driver(a) -> int:
   rep.phase("e2e", time.monotonic() - t)
 
   t = time.monotonic()
-  if attention == "cudnn" and rep.left() > 30:  # what cuDNN attention buys, on the cheapest methods
-    extra = [f"{m}:bfloat16:matmul" for m in ("source", "tent") if m in names]
-    jax_res.update(rep.run_worker("jax", extra, rep.left() - 5))
+  if attention == "auto" and rep.left() > 30:  # what the resolved kernels buy over matmul, on the cheapest
+    extra = [f"{m}:{d}:matmul" for m in ("source", "tent") if m in names for d in ("bfloat16", "float32")]
+    jax_res.update(run_batched(rep, "jax", extra, sizes, rep.left() - 5))
     rep.phase("extras", time.monotonic() - t)
   out = finish(rep, names, attention)
   if own_work and not a.keep:
@@ -532,9 +607,7 @@ def finish(rep: Report, names: list[str], attention: str) -> int:
   print("\n" + md, flush=True)
   rep.data["total_s"] = time.monotonic() - rep.t0
   if a.out:
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "report.json"), "w") as f:
-      json.dump(rep.data, f, indent=1, default=str)
+    rep.save()
     with open(os.path.join(a.out, "report.md"), "w") as f:
       f.write(md)
     for name in ("prepare", "torch", "jax", "e2e"):
@@ -573,7 +646,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--worker", choices=["prepare", "torch", "jax", "e2e"], help=argparse.SUPPRESS)
   p.add_argument("--jobs", help=argparse.SUPPRESS)
   p.add_argument("--dtype", default="bfloat16", help=argparse.SUPPRESS)
-  p.add_argument("--attention", default="matmul", help=argparse.SUPPRESS)
+  p.add_argument("--attention", default="auto", help=argparse.SUPPRESS)
+  p.add_argument("--part", choices=sorted(PARTS), help="one of the report's three parts (module docstring)")
+  p.add_argument("--batch-sizes", help="per-method batch sizes, e.g. memo=16")
   return p
 
 

@@ -71,9 +71,10 @@ class RunConfig:
   source_data: Optional[str] = None
   source_images: Optional[int] = None  # cap the source images a method's statistics use (records say so)
   # The backbone's compute dtype (`models.vit`): "float32" (the paper numbers) or "bfloat16" (params, losses and
-  # optimizer state stay float32); the attention kernel: "matmul", "xla" or "cudnn" (GPU, 16-bit dtype).
+  # optimizer state stay float32); the attention kernel: "auto" (per platform and dtype: `vit.attention_for`),
+  # "matmul", "xla" or "cudnn" (GPU, 16-bit dtype).
   dtype: str = "float32"
-  attention: str = "matmul"
+  attention: str = "auto"
   # Rows per pass of the model (`Method.forward`): on a CPU at batch 64, passes of 16 keep the activations in
   # the caches. None: the batch in one pass (the paper numbers; a chunked run differs by float32 rounding).
   row_chunk: Optional[int] = None

@@ -42,9 +42,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from pcsr_jax import platforms
 from pcsr_jax.data.transforms import normalize_table
 from pcsr_jax.errors import UserError
 from pcsr_jax.methods.base import AdaptState, Method, merge, split
+from pcsr_jax.models import vit
 
 EVAL_ORDERS = ("before", "after", "perturbed")
 
@@ -81,6 +83,9 @@ def use_cpu_devices(n: Optional[int]) -> None:
       raise UserError(f"--cpu-devices: too late, {str(e).splitlines()[0]}") from None
 
 
+CUDNN_ATTENTION_CALLS = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")  # `Adapter.export` allows them
+
+
 def data_mesh(devices: Optional[list] = None) -> Mesh:
   """A 1-D mesh named ``'data'`` over all (global) devices."""
   devices = jax.devices() if devices is None else devices
@@ -93,7 +98,7 @@ class Adapter:
   def __init__(self, method: Method, model, params: Any, *, batch_size: int, eval_order: Optional[str] = None,
                mesh: Optional[Mesh] = None, seed: int = 0, source_stats: Optional[dict] = None,
                mean: Optional[Sequence[float]] = None, std: Optional[Sequence[float]] = None,
-               row_chunk: Optional[int] = None):
+               row_chunk: Optional[int] = None, platform: Optional[str] = None):
     if batch_size < 1:
       raise UserError(f"batch_size: expected a positive integer, got {batch_size}")
     if row_chunk is not None and not (isinstance(row_chunk, int) and row_chunk >= 1):
@@ -109,10 +114,14 @@ class Adapter:
       raise UserError("Adapter: give both mean and std (the checkpoint's normalization of uint8 input) or neither")
     self._table = None if mean is None else normalize_table(mean, std)
     self.mesh = mesh if mesh is not None else data_mesh()
+    # The platform the step is built for: its mesh's, or given (lowering for a GPU or TPU from a CPU host,
+    # `export`); the model's kernels and every method's switches follow it (`pcsr_jax.platforms`).
+    self.platform = platforms.canonical(platform) if platform is not None else platforms.of_mesh(self.mesh)
+    model = vit.for_platform(model, self.platform)
     n_dev = self.mesh.devices.size
     self.padded_batch = math.ceil(batch_size / n_dev) * n_dev
     init_rng, state_rng = jax.random.split(jax.random.key(seed))
-    self.prep = method.prepare(model, params, init_rng, batch_size)
+    self.prep = dataclasses.replace(method.prepare(model, params, init_rng, batch_size), platform=self.platform)
     if method.uses_source_data() and method.source_data == "required" and source_stats is None:
       raise UserError(f"{method.name}: needs statistics of clean source data (--source-data)")
     if source_stats is not None:  # beside what `prepare` put there (CoTTA's source params)
@@ -244,6 +253,21 @@ class Adapter:
     """The step lowered for these arguments: its program (``.as_text()``) and, compiled, XLA's cost analysis
     (``.compile().cost_analysis()``), as `benchmarks/profile_step.py` reads them. Traces once more."""
     return self._step.lower(self.frozen, self.consts, state, *placed)
+
+  def export(self, platforms_: Sequence[str]) -> Any:
+    """The step exported (`jax.export`) for other platforms ("cuda", "tpu"), e.g. from a CPU host: its
+    StableHLO (``.mlir_module()``) is what a GPU or TPU would compile. The Adapter should be built with
+    ``platform=`` the same platform, so that the step holds that platform's variants."""
+    args = (self.frozen, self.consts, self.init_state()) + self.place(np.zeros(
+        (self.batch_size,) + self._image_shape(), np.uint8 if self._table is not None else np.float32))
+    # cuDNN's fused attention is a custom call jax gives no serialization guarantee for: allowed here (the
+    # program is for reading and compiling now, not for storing).
+    allowed = [jax.export.DisabledSafetyCheck.custom_call(t) for t in CUDNN_ATTENTION_CALLS]
+    return jax.export.export(self._step, platforms=tuple(platforms_), disabled_checks=allowed)(*args)
+
+  def _image_shape(self) -> tuple[int, int, int]:
+    c = self.prep.model.config
+    return c.img_size, c.img_size, c.in_chans
 
   def state_to_host(self, state: AdaptState) -> Any:
     """A numpy pytree of ``state`` for checkpointing (the PRNG key as raw key data)."""

@@ -12,11 +12,12 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from pcsr_jax import ccc_stream, checkpoint, distributed, methods, progress, results, source_stats, units
+from pcsr_jax import ccc_stream, checkpoint, distributed, methods, platforms, progress, results, source_stats, units
 from pcsr_jax.config import RunConfig
 from pcsr_jax.data import datasets, sources, streams
 from pcsr_jax.data.loader import Loader
 from pcsr_jax.errors import UserError
+from pcsr_jax.models import vit
 from pcsr_jax.models.vit import compute_dtype
 from pcsr_jax.progress import Resume
 
@@ -88,7 +89,10 @@ def setup(cfg: RunConfig, log) -> Setup:
   cfg.validate()
   spec = datasets.get(cfg.dataset)
   model, params, meta = checkpoint.load(cfg.checkpoint, kind="vit")
-  model = model.clone(dtype=compute_dtype(cfg.dtype), attention=cfg.attention)
+  # The model as the run's devices run it (`vit.for_platform`: the attention kernel, the CPU-only backward
+  # passes); every unit's step, the source statistics and CCC's calibration use it.
+  platform = platforms.of_devices(jax.local_devices())
+  model = vit.for_platform(model.clone(dtype=compute_dtype(cfg.dtype), attention=cfg.attention), platform)
   ckpt_digest = checkpoint.params_digest(params)  # once: the resume key and every statistics' key use it
   exchange = distributed.Exchange()
   # Every method's inputs (DePT-G's prompts, DDA's UNet) and --source-data, checked before any work.

@@ -103,6 +103,28 @@ def test_report_runs_the_slowest_methods_last_and_keeps_the_rest_in_order():
   assert order[4:] == ["foa", "cotta", "adacontrast", "memo"]
 
 
+def test_the_report_parts_cover_every_method_once_within_one_gpu_command():
+  """`gpu_report --part A|B|C`: together every registered method with a PyTorch reference, each once, each part
+  within `PART_S` (one GPU command of 600 s with margin), MEMO at batch 16 in part C, the end to end in A only;
+  a bad ``--batch-sizes`` entry is one line."""
+  from pcsr_jax import methods
+
+  parts = [gpu_report.PARTS[p]["methods"].split(",") for p in "ABC"]
+  every = [m for m in methods.REGISTRY if gpu_report.has_torch_reference(m)]
+  assert sorted(sum(parts, [])) == sorted(every)
+  for part in "ABC":
+    a = gpu_report.parser().parse_args(["--part", part, "--budget-s", "900"])
+    gpu_report.apply_part(a)
+    assert a.budget_s == gpu_report.PART_S <= 450 and a.reserve_s < a.budget_s
+    assert (a.e2e_methods != "none") == (part == "A")
+    sizes = gpu_report.batch_sizes(a, a.methods.split(","))
+    assert sizes.get("memo", 64) == (16 if part == "C" else 64) and all(
+        b == 64 for m, b in sizes.items() if m != "memo")
+  a = gpu_report.parser().parse_args(["--batch-sizes", "memo=0"])
+  with pytest.raises(SystemExit, match="^--batch-sizes: expected method=positive integer, got 'memo=0'$"):
+    gpu_report.batch_sizes(a, ["memo"])
+
+
 @pytest.mark.torch
 def test_both_frameworks_time_the_same_weights_on_the_same_images():
   """What a step does can depend on its inputs (ROID's kept rows, EATA's filter), so the throughput

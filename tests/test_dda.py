@@ -109,11 +109,31 @@ def test_the_jpeg_round_trip_is_save_image_and_pil(tmp_path):
   from torchvision.utils import save_image
 
   x = np.random.default_rng(1).uniform(-1.3, 1.3, (2, 16, 16, 3)).astype(np.float32)
-  got = np.asarray(jax.jit(lambda a: dda.jpeg_round_trip(dda.to_uint8(a), 75))(x))
-  for i in range(2):
-    path = str(tmp_path / f"{i}.JPEG")
-    save_image(torch.from_numpy(x[i]).permute(2, 0, 1)[None], path, normalize=True, value_range=(-1, 1))
-    np.testing.assert_array_equal(got[i], np.asarray(Image.open(path).convert("RGB")))
+  for codec in ("pil", "device"):  # the device's jitted libjpeg (a GPU's or TPU's step) to the bit, too
+    got = np.asarray(jax.jit(lambda a: dda.jpeg_round_trip(dda.to_uint8(a), 75, codec))(x))
+    for i in range(2):
+      path = str(tmp_path / f"{i}.JPEG")
+      save_image(torch.from_numpy(x[i]).permute(2, 0, 1)[None], path, normalize=True, value_range=(-1, 1))
+      np.testing.assert_array_equal(got[i], np.asarray(Image.open(path).convert("RGB")), err_msg=codec)
+
+
+def test_the_accelerator_form_runs_the_groups_together_with_the_cpu_forms_numbers():
+  """Built for a GPU (run here on the CPU): the groups together (vmap), the device JPEG, XLA's attention and
+  backward passes; the logits are the CPU form's (groups one after the other, PIL, the closed forms) within
+  float32 rounding (3.6e-6 seen; 1e-4 allowed), so each group keeps its own guidance norm when vmapped."""
+  xs = batches(2, 4, last=3)
+  model, params = tiny_model()
+  out = {}
+  for platform in ("cpu", "gpu"):
+    ad = engine.Adapter(StandInDDA(N=3, group=2), model, params, batch_size=4, platform=platform)
+    state, logits = ad.init_state(), []
+    for x in xs:
+      state, lg, _ = ad.step(state, x)
+      logits.append(np.asarray(lg))
+    out[platform] = logits
+  assert engine.Adapter(StandInDDA(N=3), model, params, batch_size=4, platform="gpu").prep.platform == "gpu"
+  for a, b in zip(out["gpu"], out["cpu"]):
+    np.testing.assert_allclose(a, b, atol=1e-4)
 
 
 def test_unet_size_round_trip_and_no_jpeg():

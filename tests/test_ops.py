@@ -135,3 +135,59 @@ def test_patch_conv_bf16_dtype_and_float32_param_gradients():
       p, x).astype(jnp.float32).sum())(p)
   assert g["params"]["kernel"].dtype == jnp.float32
   assert _rel(g["params"]["kernel"], ref["params"]["kernel"]) < 1e-2  # bf16 products, rounded differently
+
+
+def test_the_xla_forms_equal_the_closed_forms_op_by_op():
+  """``closed_form=False`` (a GPU's or TPU's step: `vit.for_platform`) is the same forward expression
+  differentiated by XLA: the values equal the closed forms' (the attention within float32 ulps: it normalizes
+  before the product), the gradients within float32 rounding, and no op runs under `ops.CLOSED_FORM_SCOPE`."""
+  x, dy = _rand(7, (2, 5, 16), (2, 5, 16))
+  scale, bias = _rand(8, (16,), (16,))
+  for f in (lambda x, cf: ops.gelu(x, cf), lambda x, cf: ops.layer_norm(x, scale, bias, 1e-6, cf)):
+    (y1, vjp1), (y0, vjp0) = (jax.vjp(lambda x: f(x, cf), x) for cf in (True, False))
+    np.testing.assert_array_equal(np.asarray(y1), np.asarray(y0))
+    assert _rel(vjp0(dy)[0], vjp1(dy)[0]) < 1e-5
+  q, k, v, do = _rand(9, (2, 3, 7, 8), (2, 3, 7, 8), (2, 3, 7, 8), (2, 3, 7, 8))
+  (o1, vjp1), (o0, vjp0) = (jax.vjp(lambda *a: ops.softmax_attention(*a, closed_form=cf), q, k, v)
+                            for cf in (True, False))
+  assert _rel(o0, o1) < 1e-6
+  for g0, g1 in zip(vjp0(do), vjp1(do)):
+    assert _rel(g0, g1) < 1e-5
+  img, kernel = _rand(10, (2, 8, 8, 3), (4, 4, 3, 6))
+  (c1, vjp1), (c0, vjp0) = (jax.vjp(lambda a, b: ops.patch_conv(a, b, cf), img, kernel) for cf in (True, False))
+  np.testing.assert_array_equal(np.asarray(c1), np.asarray(c0))
+  dc = _rand(11, c1.shape)[0]
+  for g0, g1 in zip(vjp0(dc), vjp1(dc)):
+    assert _rel(g0, g1) < 1e-5
+  text = jax.jit(lambda x: ops.gelu(x, False)).lower(x).as_text(debug_info=True)
+  assert ops.CLOSED_FORM_SCOPE not in text
+  assert ops.CLOSED_FORM_SCOPE in jax.jit(lambda x: ops.gelu(x, True)).lower(x).as_text(debug_info=True)
+
+
+def test_a_vit_for_a_gpu_or_tpu_has_the_cpu_models_logits_and_gradients():
+  """`vit.for_platform`: off a CPU the ViT runs XLA's backward passes and the resolved attention kernel
+  (`vit.attention_for`); its logits and parameter gradients are the CPU model's within float32 rounding
+  (relative 1e-5 on logits, 1e-4 on gradients: BLAS sums in another order on another machine stay well
+  inside them)."""
+  from pcsr_jax.models import vit
+  from tiny import tiny_model
+
+  model, params = tiny_model()
+  x = _rand(12, (4, 32, 32, 3))[0]
+  assert vit.attention_for("auto", "cpu") == "matmul" and vit.attention_for("auto", "tpu") == "xla"
+  assert vit.attention_for("auto", "gpu") == "xla" and vit.attention_for("auto", "gpu", jnp.bfloat16) == "cudnn"
+  assert vit.attention_for("matmul", "gpu", jnp.bfloat16) == "matmul"  # a kernel named is kept
+  cpu = vit.for_platform(model.clone(attention="auto"), "cpu")
+  assert (cpu.attention, cpu.cpu_ops) == ("matmul", True)
+  out = {}
+  for name, m in (("cpu", cpu), ("tpu", vit.for_platform(model.clone(attention="auto"), "tpu")),
+                  ("gpu-matmul", vit.for_platform(model, "gpu"))):
+    loss = lambda p, m=m: jnp.sum(jax.nn.log_softmax(m.apply({"params": p}, x)) ** 2)
+    out[name] = (m.apply({"params": params}, x), jax.grad(loss)(params))
+  assert vit.for_platform(model, "tpu").cpu_ops is False
+  for name in ("tpu", "gpu-matmul"):
+    assert _rel(out[name][0], out["cpu"][0]) < 1e-5, name
+    for a, b in zip(jax.tree.leaves(out[name][1]), jax.tree.leaves(out["cpu"][1])):
+      assert _rel(a, b) < 1e-4, name
+  with pytest.raises(Exception, match=r"attention='auto' names a kernel per platform"):
+    model.clone(attention="auto").apply({"params": params}, x)

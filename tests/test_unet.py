@@ -384,17 +384,21 @@ def test_unet_with_group_norm_from_channel_sums_equals_the_default():
 
 
 def test_dda_takes_the_matmul_convolutions_on_a_cpu_and_a_bad_name_is_one_line():
-  """DDA's UNet runs its convolutions as matmuls and its GroupNorms from channel sums on a CPU backend (the tests
-  run on one), the checkpoint's module otherwise unchanged; an unknown ``conv`` or ``norm`` is a one-line error
-  naming the field."""
+  """DDA's UNet runs its convolutions as matmuls and its GroupNorms from channel sums in a step built for a CPU,
+  XLA's own in one built for a GPU or TPU, the checkpoint's module otherwise unchanged; an unknown ``conv`` or
+  ``norm`` is a one-line error naming the field."""
   from pcsr_jax.methods import dda
   from tiny import tiny_model
 
   cfg = CONFIGS["updown-scaleshift"]
   meta = {"kind": "unet", "diffusion": {"diffusion_steps": 1000}}
   prep = dda.DDA().prepare_with(tiny_model()[0], None, UNet(cfg), param_shapes(cfg), meta)
-  assert UNet(cfg).conv == "xla" and prep.unet.conv == "dots" and prep.unet.config == cfg
-  assert UNet(cfg).norm == "xla" and prep.unet.norm == "sums"
+  on_cpu = dda.DDA.unet_for(dataclasses.replace(prep, platform="cpu"))
+  assert UNet(cfg).conv == "xla" and on_cpu.conv == "dots" and on_cpu.config == cfg
+  assert UNet(cfg).norm == "xla" and on_cpu.norm == "sums"
+  for platform in ("gpu", "tpu"):
+    elsewhere = dda.DDA.unet_for(dataclasses.replace(prep, platform=platform))
+    assert (elsewhere.conv, elsewhere.norm) == ("xla", "xla")
   x, t, _, _ = inputs(cfg)
   with pytest.raises(UserError, match="^conv: expected one of xla, dots, got 'cudnn'"):
     jax.eval_shape(lambda p: UNet(cfg, conv="cudnn").apply({"params": p}, x, t), param_shapes(cfg))

@@ -121,7 +121,9 @@ def test_two_units_at_once_on_two_devices_equal_one_after_another(sequential, tm
   assert r.returncode == 0, r.stderr[-3000:]
   assert "group0: " in r.stdout and "group1: " in r.stdout  # both groups ran units
   same_tables(sequential, out)
-  assert json.loads((out / "results.json").read_text())["config"]["devices_per_unit"] == 1
+  res = json.loads((out / "results.json").read_text())
+  assert res["config"]["devices_per_unit"] == 1 and res["config"]["attention"] == "auto"
+  assert res["kernels"] == dict(platform="cpu", attention="matmul", cpu_backward=True)  # what auto ran here
 
 
 @pytest.mark.slow

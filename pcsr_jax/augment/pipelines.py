@@ -285,7 +285,7 @@ def _augmix_chain(key: Array, crop: Array) -> Array:
 
 
 def augmix_views(key: Array, img01: Array, n_views: int, size: Optional[int] = None,
-                 loop: Optional[bool] = None) -> Array:
+                 loop: Optional[bool] = None, platform: str = "cpu") -> Array:
   """MEMO's ``n_views`` augmented views of ONE image ``[H, W, C]`` in [0, 1] -> ``[V, S, S, C]``.
 
   Per view: RandomResizedCrop(S, scale 0.08-1, ratio 3/4-4/3; PIL bilinear) to 8-bit, h-flip p 0.5,
@@ -300,17 +300,18 @@ def augmix_views(key: Array, img01: Array, n_views: int, size: Optional[int] = N
   ulp (``tests/test_augment.py``). ``None``: loop on the CPU, where it is about 5x faster (64 views at 224 px
   on 2 cores: 0.41 s against 2.20 s, ``python -m benchmarks.augmix_views``; ``equalize``'s histogram
   dominates the vectorised form), vectorise on accelerators, where 192 sequential chains per image would
-  cost more than the discarded arithmetic.
+  cost more than the discarded arithmetic; ``platform`` is the one the program is built for
+  (`pcsr_jax.platforms`, a method's ``Prepared.platform``).
   """
-  return augmix_views_of_keys(jax.random.split(key, n_views), img01, size, loop)
+  return augmix_views_of_keys(jax.random.split(key, n_views), img01, size, loop, platform)
 
 
 def augmix_views_of_keys(keys: Array, img01: Array, size: Optional[int] = None,
-                         loop: Optional[bool] = None) -> Array:
+                         loop: Optional[bool] = None, platform: str = "cpu") -> Array:
   """:func:`augmix_views` with one key per view (``keys[i]`` draws view ``i``), so that a subset of the keys
   draws the same subset of views: a device can draw its own share."""
   size = img01.shape[0] if size is None else size
-  loop = jax.default_backend() == "cpu" if loop is None else loop
+  loop = platform == "cpu" if loop is None else loop
   crops, weights, m, chain_keys = jax.vmap(lambda k: _augmix_draw(k, img01, size))(keys)
   each = (lambda f: lambda xs: jax.lax.map(f, xs)) if loop else jax.vmap
   chains = each(lambda kc: each(lambda k: _augmix_chain(k, kc[1]))(kc[0]))((chain_keys, crops))  # [V, 3, ...]

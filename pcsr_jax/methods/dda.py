@@ -37,13 +37,16 @@ Departures from the official code, each deliberate:
 * JPEG. The official writes the projection with ``torchvision.utils.save_image`` (clamp to [-1, 1], to [0, 1],
   ``floor(255 x + 0.5)`` as uint8) under the ``.JPEG`` name, so PIL saves a JPEG at its default quality 75, and
   the classifier reads that file. Here the same quantisation and a PIL JPEG round trip at ``jpeg_quality``
-  (PIL's defaults otherwise) run on the host through ``jax.pure_callback``: one device -> host -> device copy of
-  the projections per batch, outside any gradient. ``jpeg_quality`` 0 skips both the JPEG and the 8-bit
-  rounding (the float projection goes to the classifier).
+  (PIL's defaults otherwise) run on the host through ``jax.pure_callback`` on a CPU: one device -> host ->
+  device copy of the projections per batch, outside any gradient. On a GPU or TPU the round trip is the
+  corruption stream's jitted libjpeg codec (`corrupt_device.jpeg`), on the device (`jpeg_round_trip`; ``jpeg``
+  picks either anywhere). Its distance to PIL's: `python -m benchmarks.dda_jpeg`.
+  ``jpeg_quality`` 0 skips both the JPEG and the 8-bit rounding (the float projection goes to the classifier).
 * Batches. The official guidance norm spans the per-GPU batch (4 images in ``image_adapt.sh``), which couples
   the images of a batch: each image's step is scaled by ``||diff_b|| / ||diff||``. Here the harness's batch is
-  cut into groups of ``group`` images (default 4), run one after the other (``lax.map``): each group is one UNet
-  batch and, under ``guidance='batch'``, one norm, so the coupling matches the official's at the script's batch
+  cut into groups of ``group`` images (default 4), run one after the other on a CPU (``lax.map``: each group is
+  one UNet batch) and all at once on a GPU or TPU (``vmap``: one UNet batch of the whole batch, as the official's
+  GPUs run theirs side by side); each group is, under ``guidance='batch'``, one norm, so the coupling matches the official's at the script's batch
   size whatever the harness's batch size is. ``guidance='image'`` takes one norm per image (no coupling). Padded
   rows of a ragged last batch stay out of every norm. The images' grouping follows the stream's order (the
   official's follows its data loader's).
@@ -165,10 +168,24 @@ def jpeg_round_trip_host(images: np.ndarray, quality: int) -> np.ndarray:
   return out
 
 
-def jpeg_round_trip(images: Array, quality: int) -> Array:
-  """`jpeg_round_trip_host` from inside a jitted program (``jax.pure_callback``)."""
+def jpeg_round_trip(images: Array, quality: int, codec: str = "pil") -> Array:
+  """The JPEG round trip of uint8 NHWC ``images`` inside a jitted program: ``codec`` 'pil'
+  `jpeg_round_trip_host` (PIL, the reference, through ``jax.pure_callback``), 'device' the corruption stream's
+  jitted libjpeg codec (`corrupt_device.jpeg`: PIL's baseline path, 4:2:0, integer DCT), with no host transfer.
+  A one-channel image goes through the latter as three equal channels and keeps the first (PIL would save a
+  grayscale JPEG)."""
+  if codec == "device":
+    from pcsr_jax.data.generators import corrupt_device
+
+    gray = images.shape[-1] == 1
+    rgb = jnp.repeat(images, 3, axis=-1) if gray else images
+    out = corrupt_device.jpeg(rgb, int(quality))
+    return out[..., :1] if gray else out
   shape = jax.ShapeDtypeStruct(images.shape, jnp.uint8)
   return jax.pure_callback(lambda a: jpeg_round_trip_host(a, quality), shape, images, vmap_method="sequential")
+
+
+JPEG_CODECS = ("auto", "pil", "device")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +200,9 @@ class DDA(Method):
   scale: float = field(6.0, ">= 0")  # guidance step size
   respacing: str = field("100")  # guided-diffusion's --timestep_respacing ("100", "ddim50", "10,15,20")
   jpeg_quality: int = field(75, "[0, 100]")  # the official save-as-JPEG round trip; 0: off
+  # Its codec: 'pil' (the reference, on the host), 'device' (`corrupt_device.jpeg`, jitted), 'auto': PIL on a
+  # CPU, the device's on a GPU or TPU (where a host callback would stall the step and keep it from lowering).
+  jpeg: str = field("auto", JPEG_CODECS)
   guidance: str = field("batch", diffusion.GUIDANCE)  # 'batch': one norm per group (official); 'image'
   group: int = field(4, ">= 1")  # images per UNet batch and per 'batch' norm (the script's per-GPU batch)
   ensemble: str = field("sum", ENSEMBLES)
@@ -263,15 +283,20 @@ class DDA(Method):
     _, _, learn_sigma = diffusion_settings(meta)
     cfg = unet.config
     self._check_unet(model, cfg)
-    if jax.default_backend() == "cpu":
-      # guided-diffusion's UNet: its convolutions as matmuls and its GroupNorms from per-channel sums with a
-      # closed-form backward, the faster on XLA:CPU (`pcsr_jax.models.unet`'s docstring; the same values up to
-      # float32 summation order).
-      faster = {k: v for k, v in (("conv", "dots"), ("norm", "sums")) if getattr(unet, k, None) == "xla"}
-      unet = unet.clone(**faster) if faster else unet
     return DDAPrepared(model, params, is_trainable=lambda path: False, tx=optax.identity(),
                        consts={"unet": unet_params}, unet=unet, schedule=self._schedule(meta),
                        learn_sigma=learn_sigma, unet_size=int(cfg.image_size))
+
+  @staticmethod
+  def unet_for(prep: DDAPrepared) -> nn.Module:
+    """The UNet as it runs on the step's platform: on a CPU its convolutions as matmuls and its GroupNorms from
+    per-channel sums with a closed-form backward, the faster on XLA:CPU (`pcsr_jax.models.unet`'s docstring;
+    the same values up to float32 summation order); elsewhere XLA's own."""
+    unet = prep.unet
+    if prep.platform != "cpu":
+      return unet
+    faster = {k: v for k, v in (("conv", "dots"), ("norm", "sums")) if getattr(unet, k, None) == "xla"}
+    return unet.clone(**faster) if faster else unet
 
   def to_unet(self, prep: DDAPrepared, images: Array) -> Array:
     """Normalized classifier input -> [-1, 1] at the UNet's size."""
@@ -285,7 +310,8 @@ class DDA(Method):
     """A projection in [-1, 1] at the UNet's size -> normalized classifier input of ``size``, through the
     official's 8-bit JPEG round trip unless ``jpeg_quality`` is 0."""
     if self.jpeg_quality:
-      x01 = jpeg_round_trip(to_uint8(x), self.jpeg_quality).astype(jnp.float32) / 255
+      codec = self.jpeg if self.jpeg != "auto" else "pil" if prep.platform == "cpu" else "device"
+      x01 = jpeg_round_trip(to_uint8(x), self.jpeg_quality, codec).astype(jnp.float32) / 255
     else:
       x01 = jnp.clip((x + 1) / 2, 0, 1)
     b, h, w, c = x01.shape
@@ -294,8 +320,9 @@ class DDA(Method):
     return augment.normalize(x01, self.mean, self.std)
 
   def project(self, prep: DDAPrepared, unet_params: Any, y: Array, rows: Array, key: Array) -> Array:
-    """DDA's projection of ``y`` ([-1, 1] NHWC at the UNet's size) in groups of ``group`` images, one after the
-    other (`diffusion.guided_sample` each; ``rows`` False: padding, out of every norm).
+    """DDA's projection of ``y`` ([-1, 1] NHWC at the UNet's size) in groups of ``group`` images
+    (`diffusion.guided_sample` each; ``rows`` False: padding, out of every norm): one after the other on a CPU,
+    together on a GPU or TPU (``prep.platform``).
 
     On a mesh of several devices whose count divides the number of groups, each device runs its own groups
     (``shard_map``), concurrently: the same groups, keys and ops as on one device. Left to the partitioner, the
@@ -307,16 +334,22 @@ class DDA(Method):
     pad = n * g - b
     y = jnp.concatenate([y, jnp.zeros((pad,) + y.shape[1:], y.dtype)]) if pad else y
     rows = jnp.concatenate([rows, jnp.zeros((pad,), bool)]) if pad else rows
-    model_fn = lambda x, t: prep.unet.apply({"params": unet_params}, x, t)
+    unet = self.unet_for(prep)
+    model_fn = lambda x, t: unet.apply({"params": unet_params}, x, t)
 
     def one(args):
       yg, kg, rg = args
       return diffusion.guided_sample(prep.schedule, model_fn, yg, kg, N=self.N, D=self.D, scale=self.scale,
                                      guidance=self.guidance, learn_sigma=prep.learn_sigma, rows=rg)
 
-    def groups(y, keys, rows):  # the groups of these rows, one after the other
+    # A CPU runs the groups one after the other (one UNet batch of ``group`` images at a time stays in its
+    # caches); a GPU or TPU all at once, one UNet batch of them all: each group's guidance norm is its own
+    # either way (`diffusion.guided_sample` of the group's rows).
+    each = jax.vmap if prep.platform != "cpu" else (lambda f: lambda xs: jax.lax.map(f, xs))
+
+    def groups(y, keys, rows):  # the groups of these rows
       m = keys.shape[0]
-      out = jax.lax.map(one, (y.reshape((m, g) + y.shape[1:]), keys, rows.reshape(m, g)))
+      out = each(one)((y.reshape((m, g) + y.shape[1:]), keys, rows.reshape(m, g)))
       return out.reshape((m * g,) + y.shape[1:])
 
     devices = 1 if prep.mesh is None else prep.mesh.devices.size

@@ -172,7 +172,7 @@ class FOA(Method):
     def one(prompts):
       return self.evaluate(prep, frozen, images, valid, prompts.reshape(self.num_prompts, d), shift)
 
-    chunk = self.chunk or (1 if jax.default_backend() == "cpu" else candidates.shape[0])
+    chunk = self.chunk or (1 if prep.platform == "cpu" else candidates.shape[0])
     fitness, logits, means = jax.lax.map(one, candidates, batch_size=chunk)
     best = jnp.argmin(fitness)  # the first of equal minima, as the official's strict `>`
     sampled = jnp.arange(candidates.shape[0]) < samples.shape[0]

@@ -82,8 +82,10 @@ class MEMO(Method):
     tx = optax.adamw(self.lr, b1=self.b1, b2=self.b2, eps=self.eps, weight_decay=self.weight_decay)
     return Prepared(model, params, is_trainable=lambda path: True, tx=tx)
 
-  def draw_views(self, key: Array, image: Array, mesh: Optional[jax.sharding.Mesh] = None) -> Array:
-    """``[V, H, W, C]`` normalised AugMix views of one normalised ``[H, W, C]`` image.
+  def draw_views(self, key: Array, image: Array, mesh: Optional[jax.sharding.Mesh] = None,
+                 platform: str = "cpu") -> Array:
+    """``[V, H, W, C]`` normalised AugMix views of one normalised ``[H, W, C]`` image (AugMix's chains looped
+    on a CPU ``platform``, vectorised elsewhere: `augment.augmix_views`).
 
     On a mesh of several devices each device draws its own share of the views (``shard_map``; the same
     views as one device draws, from the same keys, up to float32 rounding: XLA may vectorise a device's
@@ -93,7 +95,8 @@ class MEMO(Method):
     deadlock, seen with ``--row-chunk 16``.
     """
     x01 = augment.denormalize(image, self.mean, self.std)
-    draw = lambda keys, img: augment.normalize(augment.augmix_views_of_keys(keys, img), self.mean, self.std)
+    draw = lambda keys, img: augment.normalize(augment.augmix_views_of_keys(keys, img, platform=platform),
+                                               self.mean, self.std)
     n = 1 if mesh is None else mesh.devices.size
     if n > 1 and self.views % n == 0:
       draw = jax.shard_map(draw, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"))
@@ -144,5 +147,6 @@ class MEMO(Method):
     rng, key = jax.random.split(state.rng)
     keys = jax.random.split(key, images.shape[0])
     # Views are drawn inside the map, so only the images in flight hold theirs ([chunk, V, H, W, C]).
-    one = lambda xk: self.adapt_one(prep, frozen, state, xk[0], self.draw_views(xk[1], xk[0], prep.mesh))
+    one = lambda xk: self.adapt_one(prep, frozen, state, xk[0], self.draw_views(xk[1], xk[0], prep.mesh,
+                                                                                         prep.platform))
     return self._map(state.replace(rng=rng), valid, one, (images, keys))

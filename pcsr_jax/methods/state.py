@@ -52,3 +52,6 @@ class Prepared:
   mesh: Optional[jax.sharding.Mesh] = None
   # Rows per pass of `Method.forward` (the engine's ``row_chunk``): None runs a batch as one pass.
   row_chunk: Optional[int] = None
+  # The platform the step is built for ("cpu", "gpu", "tpu": `pcsr_jax.platforms`), set by the engine from its
+  # mesh or its ``platform`` argument; every platform switch of a method reads it, never the default backend.
+  platform: str = "cpu"

@@ -14,6 +14,11 @@ broadcast to ``[B, T, D]`` for its reductions, twice per LayerNorm; for GELU it 
 ``0.5 * (1 + erf(x / sqrt 2))`` as a second ``[B, T, 4D]`` activation; for the softmax it divides every
 score and computes ``exp`` twice. Per ViT-S/16 TENT step (batch 16, 2 cores; `benchmarks/profile_step.py
 --method tent`): attention 482 -> 327 ms, "other" (LayerNorm, residuals, layout copies) 432 -> 200 ms.
+
+Where: a CPU only. Each op takes ``closed_form`` (the model's ``cpu_ops``, set from the platform the step is
+built for: `pcsr_jax.platforms`); False gives the same forward expression differentiated by XLA, whose own
+fusions on a GPU or TPU need none of this (and no optimization barrier). The closed forms run inside the named
+scope `CLOSED_FORM_SCOPE`, so a lowered program shows whether it holds one (`tests/test_lowering.py`).
 """
 
 from __future__ import annotations
@@ -30,19 +35,30 @@ Dtype = Any
 
 _SQRT1_2 = 0.7071067811865476  # M_SQRT1_2, as torch's GELU multiplies by it
 _PDF_SCALE = 0.5 * 1.1283791670955126 * _SQRT1_2  # torch's kBeta = M_2_SQRTPI * M_SQRT1_2 * 0.5 = 1/sqrt(2 pi)
+CLOSED_FORM_SCOPE = "cpu_closed_form"  # the named scope of every hand-written VJP below
 
 
-@jax.custom_vjp
-def gelu(x: Array) -> Array:
+def gelu(x: Array, closed_form: bool = True) -> Array:
   """Exact GELU in torch's own form, ``x * 0.5 * (1 + erf(x / sqrt(2)))`` (flax's default is the tanh
   approximation). Not ``jax.nn.gelu(approximate=False)``, whose ``erfc`` XLA:CPU expands into both of its
   branches plus an exponential: the ``erf`` form computes the same function (within 1.5e-6 of torch either
-  way) 2.5x faster forward. The backward is torch's ``gelu_backward``: ``dy * (cdf(x) + x * pdf(x))``."""
+  way) 2.5x faster forward. ``closed_form``: the backward is torch's ``gelu_backward``,
+  ``dy * (cdf(x) + x * pdf(x))``; else XLA's of the same expression."""
+  if not closed_form:
+    return _gelu(x)
+  with jax.named_scope(CLOSED_FORM_SCOPE):
+    return _gelu_closed(x)
+
+
+def _gelu(x: Array) -> Array:
   return x * 0.5 * (1.0 + jax.lax.erf(x * _SQRT1_2))
 
 
+_gelu_closed = jax.custom_vjp(_gelu)
+
+
 def _gelu_fwd(x: Array) -> tuple[Array, Array]:
-  return gelu(x), x
+  return _gelu(x), x
 
 
 def _gelu_bwd(x: Array, dy: Array) -> tuple[Array]:
@@ -54,7 +70,7 @@ def _gelu_bwd(x: Array, dy: Array) -> tuple[Array]:
   return ((dy.astype(jnp.float32) * (cdf + xf * pdf)).astype(dy.dtype),)
 
 
-gelu.defvjp(_gelu_fwd, _gelu_bwd)
+_gelu_closed.defvjp(_gelu_fwd, _gelu_bwd)
 
 
 def _stats(x: Array) -> tuple[Array, Array]:
@@ -64,10 +80,18 @@ def _stats(x: Array) -> tuple[Array, Array]:
   return mu, var
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))  # eps: a Python float
-def layer_norm(x: Array, scale: Array, bias: Array, eps: float) -> Array:
+def layer_norm(x: Array, scale: Array, bias: Array, eps: float, closed_form: bool = True) -> Array:
   """LayerNorm over the last axis of float32 ``x``, computed as flax's ``nn.LayerNorm`` computes it:
-  ``(x - mean) * (rsqrt(var + eps) * scale) + bias`` with ``var = E[x^2] - E[x]^2``."""
+  ``(x - mean) * (rsqrt(var + eps) * scale) + bias`` with ``var = E[x^2] - E[x]^2``; ``closed_form``: with
+  PyTorch's closed-form backward, else XLA's."""
+  if not closed_form:
+    return _ln_fwd(x, scale, bias, eps)[0]
+  with jax.named_scope(CLOSED_FORM_SCOPE):
+    return _layer_norm_closed(x, scale, bias, eps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))  # eps: a Python float
+def _layer_norm_closed(x: Array, scale: Array, bias: Array, eps: float) -> Array:
   return _ln_fwd(x, scale, bias, eps)[0]
 
 
@@ -89,7 +113,7 @@ def _ln_bwd(eps, res, dy):
   return dx, (dy * xhat).sum(rows), dy.sum(rows)
 
 
-layer_norm.defvjp(_ln_fwd, _ln_bwd)
+_layer_norm_closed.defvjp(_ln_fwd, _ln_bwd)
 
 
 class LayerNorm(nn.Module):
@@ -99,18 +123,30 @@ class LayerNorm(nn.Module):
 
   epsilon: float = 1e-6
   dtype: Optional[Dtype] = None
+  closed_form: bool = True  # the hand-written backward (a CPU's); False: XLA's
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
     d = x.shape[-1]
     scale = self.param("scale", nn.initializers.ones, (d,), jnp.float32)
     bias = self.param("bias", nn.initializers.zeros, (d,), jnp.float32)
-    y = layer_norm(x.astype(jnp.float32), scale, bias, self.epsilon)
+    y = layer_norm(x.astype(jnp.float32), scale, bias, self.epsilon, self.closed_form)
     return y if self.dtype is None else y.astype(self.dtype)
 
 
+def softmax_attention(q: Array, k: Array, v: Array, closed_form: bool = True) -> Array:
+  """``softmax(q k^T) v`` over ``[..., T, Dh]`` inputs (q already scaled): with ``closed_form``
+  `_softmax_attention_closed`, else the softmax normalized before the product (float32 scores and softmax,
+  the products in the inputs' dtype), differentiated by XLA."""
+  if closed_form:
+    with jax.named_scope(CLOSED_FORM_SCOPE):
+      return _softmax_attention_closed(q, k, v)
+  s = jnp.matmul(q, jnp.swapaxes(k, -1, -2)).astype(jnp.float32)
+  return jnp.matmul(jax.nn.softmax(s, axis=-1).astype(v.dtype), v)
+
+
 @jax.custom_vjp
-def softmax_attention(q: Array, k: Array, v: Array) -> Array:
+def _softmax_attention_closed(q: Array, k: Array, v: Array) -> Array:
   """``softmax(q k^T) v`` over ``[..., T, Dh]`` inputs (q already scaled), with a hand-written backward.
 
   The softmax is normalized after the ``A V`` product, ``(exp(s - max) v) / sum(exp(s - max))``, as flash
@@ -142,7 +178,7 @@ def _attention_bwd(res, do):
   return jnp.matmul(ds, k), jnp.matmul(jnp.swapaxes(ds, -1, -2), q), dv
 
 
-softmax_attention.defvjp(_attention_fwd, _attention_bwd)
+_softmax_attention_closed.defvjp(_attention_fwd, _attention_bwd)
 
 
 def _patch_conv(x: Array, kernel: Array) -> Array:
@@ -150,8 +186,16 @@ def _patch_conv(x: Array, kernel: Array) -> Array:
   return jax.lax.conv_general_dilated(x, kernel, (p, q), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
 
 
+def patch_conv(x: Array, kernel: Array, closed_form: bool = True) -> Array:
+  """`_patch_conv_closed` (``closed_form``), else the same convolution differentiated by XLA."""
+  if not closed_form:
+    return _patch_conv(x, kernel)
+  with jax.named_scope(CLOSED_FORM_SCOPE):
+    return _patch_conv_closed(x, kernel)
+
+
 @jax.custom_vjp
-def patch_conv(x: Array, kernel: Array) -> Array:
+def _patch_conv_closed(x: Array, kernel: Array) -> Array:
   """The patch embedding's convolution: ``[B, H, W, C]`` images, a ``[p, q, C, D]`` kernel with stride
   ``(p, q)`` and no padding -> ``[B, H // p, W // q, D]``, the forward exactly as ``nn.Conv`` computes it.
 
@@ -178,7 +222,7 @@ def _patch_conv_bwd(res, dy):
   return dx.astype(x.dtype), dk.astype(kernel.dtype)
 
 
-patch_conv.defvjp(_patch_conv_fwd, _patch_conv_bwd)
+_patch_conv_closed.defvjp(_patch_conv_fwd, _patch_conv_bwd)
 
 
 class PatchConv(nn.Module):
@@ -188,6 +232,7 @@ class PatchConv(nn.Module):
   features: int
   patch_size: int
   dtype: Optional[Dtype] = None
+  closed_form: bool = True  # the hand-written backward (a CPU's); False: XLA's
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
@@ -196,4 +241,4 @@ class PatchConv(nn.Module):
     kernel = self.param("kernel", nn.initializers.lecun_normal(), shape, jnp.float32)
     bias = self.param("bias", nn.initializers.zeros_init(), (self.features,), jnp.float32)
     x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
-    return patch_conv(x, kernel) + bias
+    return patch_conv(x, kernel, self.closed_form) + bias

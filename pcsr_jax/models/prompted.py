@@ -80,13 +80,14 @@ class DINOHead(nn.Module):
   """DINO's projection head with a weight-normalised last layer of fixed gain (see the module docstring)."""
 
   cfg: PromptConfig
+  cpu_ops: bool = True  # `ops.gelu`'s hand-written backward (a CPU's)
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
     c = self.cfg
     init = nn.initializers.normal(0.02)
     for i in range(c.dino_layers - 1):
-      x = gelu(nn.Dense(c.dino_hidden, kernel_init=init, name=f"fc{i}")(x))
+      x = gelu(nn.Dense(c.dino_hidden, kernel_init=init, name=f"fc{i}")(x), self.cpu_ops)
     x = nn.Dense(c.dino_bottleneck, kernel_init=init, name=f"fc{c.dino_layers - 1}")(x)
     x = x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)  # F.normalize
     v = self.param("last_v", _torch_linear_init, (c.dino_bottleneck, c.dino_out))
@@ -105,7 +106,7 @@ class PromptedViT(VisionTransformer):
       raise UserError("PromptedViT: needs a PromptConfig")
     pc.check(c.depth)
     self.prompts = self.param("prompts", xavier_prompts, (pc.stages, pc.prompts, c.embed_dim))
-    self.dino = [DINOHead(pc) for _ in range(pc.stages)]
+    self.dino = [DINOHead(pc, self.cpu_ops) for _ in range(pc.stages)]
 
   def __call__(self, x: Array, outputs: bool = False):
     """Logits ``[B, C]``; with ``outputs`` ``(feature [B, D], logits, prompt outputs [S, B, P, D])``."""
@@ -143,7 +144,7 @@ class PromptedViT(VisionTransformer):
 def create(base: VisionTransformer, prompt: PromptConfig) -> PromptedViT:
   """The prompted model of a plain one (its config, class subset, dtype and attention kernel)."""
   return PromptedViT(config=base.config, recalibration=base.recalibration, class_subset=base.class_subset,
-                     dtype=base.dtype, attention=base.attention, prompt=prompt)
+                     dtype=base.dtype, attention=base.attention, cpu_ops=base.cpu_ops, prompt=prompt)
 
 
 EXTRA = "prompts"  # top-level param names that are not the backbone's: ``prompts`` and ``dino_<i>``

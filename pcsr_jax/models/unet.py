@@ -71,6 +71,7 @@ import jax
 import jax.numpy as jnp
 
 from pcsr_jax.errors import UserError, check_fields
+from pcsr_jax.models.ops import CLOSED_FORM_SCOPE
 
 Array = jax.Array
 
@@ -346,8 +347,9 @@ class GroupNorm32(nn.Module):
     bias = self.param("bias", nn.initializers.zeros, (c,), jnp.float32)
     if self.impl not in NORM_IMPLS:
       raise UserError(f"norm: expected one of {', '.join(NORM_IMPLS)}, got {self.impl!r}")
-    if self.impl == "sums":
-      return group_norm(x.astype(jnp.float32), scale, bias).astype(x.dtype)
+    if self.impl == "sums":  # a CPU's form: under the scope a lowered program is checked for
+      with jax.named_scope(CLOSED_FORM_SCOPE):
+        return group_norm(x.astype(jnp.float32), scale, bias).astype(x.dtype)
     g = x.astype(jnp.float32).reshape(*x.shape[:-1], GROUPS, c // GROUPS)
     axes = tuple(range(1, g.ndim - 2)) + (g.ndim - 1,)
     mean = g.mean(axes, keepdims=True)
@@ -380,13 +382,16 @@ class Conv(nn.Module):
       y = jax.lax.conv_general_dilated(x, w, (s, s), ((pad, pad), (pad, pad)),
                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
       return y + b
-    n, h, wd, c = x.shape
-    ho, wo = (h + 2 * pad - k) // s + 1, (wd + 2 * pad - k) // s + 1
-    xp = jnp.pad(x, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
-    # im2col: the k*k shifted (strided) windows side by side on the channel axis, in the kernel's (dy, dx, c) order.
-    cols = [xp[:, dy:dy + (ho - 1) * s + 1:s, dx:dx + (wo - 1) * s + 1:s, :] for dy in range(k) for dx in range(k)]
-    patches = cols[0] if len(cols) == 1 else jnp.concatenate(cols, axis=-1)
-    return patches @ w.reshape(k * k * c, self.features) + b
+    with jax.named_scope(CLOSED_FORM_SCOPE):  # 'dots', a CPU's form
+      n, h, wd, c = x.shape
+      ho, wo = (h + 2 * pad - k) // s + 1, (wd + 2 * pad - k) // s + 1
+      xp = jnp.pad(x, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
+      # im2col: the k*k shifted (strided) windows side by side on the channel axis, in the kernel's (dy, dx, c)
+      # order.
+      cols = [xp[:, dy:dy + (ho - 1) * s + 1:s, dx:dx + (wo - 1) * s + 1:s, :]
+              for dy in range(k) for dx in range(k)]
+      patches = cols[0] if len(cols) == 1 else jnp.concatenate(cols, axis=-1)
+      return patches @ w.reshape(k * k * c, self.features) + b
 
 
 def _conv(features: int, dtype: Any, name: str, conv: str, kernel: int = 3, stride: int = 1) -> Conv:

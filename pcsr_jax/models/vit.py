@@ -26,6 +26,9 @@ batched-matmul softmax attention below. ``'xla'`` and ``'cudnn'`` call
 (flash) attention needs a CUDA GPU and a 16-bit ``dtype`` (an odd token count,
 ViT's 197, is padded by one masked token: `fused_attention`), and where it is not
 available at trace time the model warns once and falls back to ``'matmul'``.
+``'auto'`` (the harness's default) names one per platform, resolved before the model runs by `for_platform`
+from the devices the step is built for (`attention_for`: cuDNN for 16-bit on a GPU, XLA's for float32 on a GPU
+and on a TPU, ``matmul`` on a CPU); `for_platform` also turns `ops`' CPU-only backward passes off elsewhere.
 
 Scale-shift recalibration. `Attention` takes an optional per-sample
 ``(gamma, beta)`` and computes ``gamma * X + beta`` for X in {Q, K, V} over all
@@ -52,7 +55,7 @@ from pcsr_jax.models.ops import LayerNorm, PatchConv, gelu, softmax_attention
 Array = jax.Array
 
 LN_EPS = 1e-6  # timm: partial(nn.LayerNorm, eps=1e-6)
-ATTENTION_IMPLS = ("matmul", "xla", "cudnn")
+ATTENTION_IMPLS = ("auto", "matmul", "xla", "cudnn")
 Dtype = Any  # a jnp floating dtype, or None for float32
 
 
@@ -80,11 +83,12 @@ class PatchEmbed(nn.Module):
   patch_size: int
   embed_dim: int
   dtype: Dtype = None
+  cpu_ops: bool = True  # `ops`' hand-written backward passes (a CPU's)
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
     p = self.patch_size
-    x = PatchConv(self.embed_dim, p, dtype=self.dtype, name="proj")(x)
+    x = PatchConv(self.embed_dim, p, dtype=self.dtype, closed_form=self.cpu_ops, name="proj")(x)
     b, h, w, d = x.shape
     return x.reshape(b, h * w, d)
 
@@ -95,7 +99,8 @@ class Attention(nn.Module):
   dim: int
   num_heads: int
   dtype: Dtype = None
-  implementation: str = "matmul"  # one of ATTENTION_IMPLS (see the module docstring)
+  implementation: str = "matmul"  # one of ATTENTION_IMPLS but "auto" (see the module docstring)
+  cpu_ops: bool = True
 
   @nn.compact
   def __call__(self, x: Array, scale_shift: Optional[tuple[Array, Array]] = None) -> Array:
@@ -123,7 +128,7 @@ class Attention(nn.Module):
         q, k, v = (ss[0][:, j % n, :, None] * a + ss[1][:, j % n, :, None] for j, a in enumerate((q, k, v)))
       # softmax(q k^T / sqrt(head_dim)) v, as timm (and eq. 7 with d = head dim). Head-major batched
       # matmuls: on XLA:CPU about 1.4x faster than jax.nn.dot_product_attention's [B, T, H, Dh] layout.
-      out = softmax_attention(q * (d // h) ** -0.5, k, v).transpose(0, 2, 1, 3)
+      out = softmax_attention(q * (d // h) ** -0.5, k, v, self.cpu_ops).transpose(0, 2, 1, 3)
     return nn.Dense(d, dtype=self.dtype, name="proj")(out.reshape(b, t, d))
 
   def _fused(self, qkv: Array, ss: Optional[tuple[Array, Array]]) -> Optional[Array]:
@@ -172,11 +177,12 @@ class Mlp(nn.Module):
 
   hidden_dim: int
   dtype: Dtype = None
+  cpu_ops: bool = True
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
     d = x.shape[-1]
-    x = gelu(nn.Dense(self.hidden_dim, dtype=self.dtype, name="fc1")(x))
+    x = gelu(nn.Dense(self.hidden_dim, dtype=self.dtype, name="fc1")(x), self.cpu_ops)
     return nn.Dense(d, dtype=self.dtype, name="fc2")(x)
 
 
@@ -189,15 +195,17 @@ class Block(nn.Module):
   recalibrator: Optional[nn.Module] = None
   dtype: Dtype = None
   attention: str = "matmul"
+  cpu_ops: bool = True
 
   @nn.compact
   def __call__(self, x: Array, return_norm1: bool = False):
     """The block's output; with ``return_norm1`` also its norm1 output (``[B, T, D]`` each)."""
-    h = LayerNorm(epsilon=LN_EPS, dtype=self.dtype, name="norm1")(x)  # statistics in float32, as flax
+    cf = self.cpu_ops
+    h = LayerNorm(epsilon=LN_EPS, dtype=self.dtype, closed_form=cf, name="norm1")(x)  # float32 statistics
     ss = self.recalibrator(x, h) if self.recalibrator is not None else None
-    x = x + Attention(self.dim, self.num_heads, self.dtype, self.attention, name="attn")(h, ss)
-    out = x + Mlp(self.mlp_dim, self.dtype, name="mlp")(LayerNorm(epsilon=LN_EPS, dtype=self.dtype,
-                                                                     name="norm2")(x))
+    x = x + Attention(self.dim, self.num_heads, self.dtype, self.attention, cf, name="attn")(h, ss)
+    out = x + Mlp(self.mlp_dim, self.dtype, cf, name="mlp")(LayerNorm(epsilon=LN_EPS, dtype=self.dtype,
+                                                                         closed_form=cf, name="norm2")(x))
     return (out, h) if return_norm1 else out
 
 
@@ -228,13 +236,17 @@ class VisionTransformer(nn.Module):
   # Restrict the logits to these classes (ImageNet-R/-A: their 200 of the 1000 ImageNet classes).
   class_subset: Optional[tuple[int, ...]] = None
   dtype: Dtype = None  # the backbone's compute dtype (None: float32); params stay float32
-  attention: str = "matmul"  # one of ATTENTION_IMPLS
+  attention: str = "matmul"  # one of ATTENTION_IMPLS; "auto" until `for_platform` resolves it
+  cpu_ops: bool = True  # `ops`' hand-written backward passes, for XLA:CPU (`for_platform`)
 
   def setup(self):
     c = self.config
     if self.attention not in ATTENTION_IMPLS:
       raise UserError(f"attention: expected one of {', '.join(ATTENTION_IMPLS)}, got '{self.attention}'")
-    self.patch_embed = PatchEmbed(c.patch_size, c.embed_dim, self.dtype)
+    if self.attention == "auto":
+      raise UserError("attention='auto' names a kernel per platform: resolve it with vit.for_platform(model, "
+                      "platform) (engine.Adapter does) before applying the model")
+    self.patch_embed = PatchEmbed(c.patch_size, c.embed_dim, self.dtype, self.cpu_ops)
     self.cls_token = self.param("cls_token", nn.initializers.normal(1e-6), (1, 1, c.embed_dim))
     self.pos_embed = self.param("pos_embed", nn.initializers.normal(0.02), (1, c.num_patches + 1, c.embed_dim))
     recals: Sequence[Optional[nn.Module]] = [None] * c.depth
@@ -246,8 +258,9 @@ class VisionTransformer(nn.Module):
       for j, i in enumerate(layers):
         recals[i] = self.recal[j % n]
     self.blocks = [Block(c.embed_dim, c.num_heads, c.mlp_dim, recalibrator=recals[i], dtype=self.dtype,
-                         attention=self.attention) for i in range(c.depth)]
-    self.norm = LayerNorm(epsilon=LN_EPS)  # float32 with the head: the logits feed entropies and filters
+                         attention=self.attention, cpu_ops=self.cpu_ops) for i in range(c.depth)]
+    # float32 with the head: the logits feed entropies and filters
+    self.norm = LayerNorm(epsilon=LN_EPS, closed_form=self.cpu_ops)
     if c.num_classes > 0:
       self.head = nn.Dense(c.num_classes)
 
@@ -293,6 +306,27 @@ def create(config: ViTConfig, recalibration: Optional[Any] = None, dtype: Dtype 
   """The Flax module for ``config``; ``recalibration`` plugs in e.g. PCSR; ``dtype`` and ``attention`` as
   in the module docstring (e.g. ``create(cfg, dtype=jnp.bfloat16, attention='cudnn')`` on a GPU)."""
   return VisionTransformer(config, recalibration, dtype=dtype, attention=attention)
+
+
+def attention_for(attention: str, platform: str, dtype: Dtype = None) -> str:
+  """The kernel ``attention`` names on ``platform`` ("cpu", "gpu" or "tpu": `pcsr_jax.platforms`) for a
+  backbone in ``dtype``: "auto" is cuDNN's fused attention on a GPU in a 16-bit dtype, XLA's
+  (``jax.nn.dot_product_attention``) on a GPU in float32 and on a TPU, and the head-major ``matmul`` on a CPU
+  (1.4x XLA's there); any other name is kept."""
+  if attention != "auto":
+    return attention
+  if platform == "gpu":
+    return "cudnn" if dtype is not None and jnp.dtype(dtype).itemsize == 2 else "xla"
+  return "xla" if platform == "tpu" else "matmul"
+
+
+def for_platform(model: nn.Module, platform: str) -> nn.Module:
+  """``model`` as it should run on ``platform``: its attention kernel resolved (`attention_for`) and `ops`'
+  hand-written backward passes on a CPU only (on a GPU or TPU, XLA's own fusions). Other modules (the UNet)
+  are returned as they are."""
+  if not isinstance(model, VisionTransformer):
+    return model
+  return model.clone(attention=attention_for(model.attention, platform, model.dtype), cpu_ops=platform == "cpu")
 
 
 def features_and_logits(model: VisionTransformer, params: Any, images: Array) -> tuple[Array, Array]:
