@@ -11,9 +11,10 @@ Phases, each in its own subprocess with a deadline (a hang or crash costs that p
    whole step under bf16 autocast, on one batch kept on the GPU.
 3. *jax*: the engine's step of every method in float32 and with a bfloat16 backbone (`models.vit` ``dtype``),
    each with the default ``--attention auto`` (on a GPU: XLA's attention in float32, cuDNN's fused attention
-   in bf16, falling back to the matmul attention when cuDNN refuses), on one batch kept on the device. Steps are lowered and compiled a group of ``--compile-threads`` at a time in threads
-   (XLA's compiler releases the GIL), the first two alone so that the GEMM autotuning cache is warm for the
-   others; each group is timed step by step once its compiles are done. The slowest methods run last.
+   in bf16, falling back to the matmul attention when cuDNN refuses), on one batch kept on the device. Steps
+   are lowered and compiled a group of ``--compile-threads`` at a time in threads (XLA's compiler releases the
+   GIL), the first two alone so that the GEMM autotuning cache is warm for the others; each group is timed
+   step by step once its compiles are done. The slowest methods run last.
 4. *e2e*: ``experiments/imagenet_c.py`` (the harness, every core decoding, ``--loader`` from ``--e2e-loader``:
    worker processes by default) on generated 224 px JPEGs in the ImageNet-C layout, bfloat16, Source (the
    fastest step, so the hardest to feed) and TENT; the steady-state img/s is the second corruption's (the step
@@ -24,9 +25,9 @@ Phases, each in its own subprocess with a deadline (a hang or crash costs that p
 
 Parts (``--part``): the report in three commands of at most 450 s each (one GPU command is 10 minutes), the
 methods that changed or never ran on a GPU first: A ``source, tent, sar, pcsr, pcsr-frozen, dept-g, dda`` and
-the end-to-end phase; B ``t3a, eta, eata, deyo, cfa, spa, roid, cmf, foa``; C ``cotta, adacontrast, memo``
-(MEMO at batch 16: ``--batch-sizes memo=16``). ``report.json`` is rewritten after every result, so a part cut
-off still leaves what it measured in ``--out``.
+the end-to-end phase; B ``t3a, eta, eata, deyo, cfa, spa, roid, cmf, foa`` and COME on its three hosts; C
+``cotta, adacontrast, memo`` (MEMO at batch 16: ``--batch-sizes memo=16``). ``report.json`` is rewritten after
+every result, so a part cut off still leaves what it measured in ``--out``.
 
 Timing: ``--warmup`` steps after the first (compile) step, then ``--steps`` steps, each waited for (JAX
 ``block_until_ready``, ``torch.cuda.synchronize``); the warm-up and the timing each stop after ``--max-job-s``
@@ -439,7 +440,8 @@ def tables(rep: Report, names: list[str], bf16_attention: str) -> str:
   lines += [""] + notes
   extras = {k: v for k, v in jx.items() if k.endswith(":matmul") and bf16_attention != "matmul"}
   if extras:
-    lines += ["", "JAX, matmul attention vs auto (img/s):", "", "| method | dtype | matmul | auto |", "|---|---|---|---|"]
+    lines += ["", "JAX, matmul attention vs auto (img/s):", "", "| method | dtype | matmul | auto |",
+              "|---|---|---|---|"]
     for k, r in extras.items():
       m, d, _ = k.split(":")
       lines.append(f"| {m} | {d} | {fmt(r)} | {fmt(jx.get(f'{m}:{d}:auto'))} |")
@@ -486,7 +488,7 @@ def run_order(names: Sequence[str]) -> list[str]:
 PART_S = 450.0  # each part's budget: one GPU command (600 s) with margin for the machine's start and the copy
 PARTS = {
     "A": dict(methods="source,tent,sar,pcsr,pcsr-frozen,dept-g,dda", e2e=True),
-    "B": dict(methods="t3a,eta,eata,deyo,cfa,spa,roid,cmf,foa", e2e=False),
+    "B": dict(methods="t3a,eta,eata,deyo,cfa,spa,roid,cmf,foa,tent-come,sar-come,eata-come", e2e=False),
     "C": dict(methods="cotta,adacontrast,memo", e2e=False, batch_sizes="memo=16"),
 }
 

@@ -5,7 +5,9 @@ the way the PyTorch code of the field is written (SAR's official code for
 TENT/SAR, including its SAM wrapper and its reset through ``load_state_dict``;
 PCSR's authors' recipe as DPAL's code runs it; the frozen recipe from the
 paper's text), so that the tests can check the JAX engine against it step by
-step and `step_throughput.py` can time both.
+step and `step_throughput.py` can time both. ``tent-come`` and ``sar-come`` are
+COME's plug-ins as ``BlueWhaleLab/COME``'s ``tent_come.py`` and ``sar_come.py``
+run them: the host's step with `dirichlet_entropy` for the softmax entropy.
 
     ref = TorchAdapter("pcsr", timm_model, batch_size=64, pcsr_params=flax_recal_params)
     logits = ref.step(images_nchw)
@@ -25,6 +27,17 @@ import torch.nn.functional as F
 
 def softmax_entropy(x: torch.Tensor) -> torch.Tensor:
   return -(x.softmax(1) * x.log_softmax(1)).sum(1)
+
+
+def dirichlet_entropy(x: torch.Tensor) -> torch.Tensor:
+  """COME's entropy as its official code computes it (unshifted exponentials, its constant 1000 and 1e-7):
+  the logits turned to their own norm with the norm detached, then the entropy of the K class entries and the
+  one uncertainty entry."""
+  norm = torch.norm(x, p=2, dim=-1, keepdim=True)
+  x = x / norm * norm.detach()
+  total = torch.exp(x).sum(dim=1, keepdim=True) + 1000
+  probability = torch.cat([torch.exp(x) / total, 1000 / total], dim=1) + 1e-7
+  return -(probability * torch.log(probability)).sum(1)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -129,6 +142,8 @@ class TorchAdapter:
   def __init__(self, method: str, model: nn.Module, batch_size: int, eval_order: Optional[str] = None,
                pcsr_params: Optional[Mapping[str, Any]] = None, lr_dsn: float = 0.2, lr_fgn: float = 0.0005,
                margin: Optional[float] = None, reset_constant: float = 0.2, lr: Optional[float] = None):
+    self.entropy = dirichlet_entropy if method.endswith("-come") else softmax_entropy
+    method = method.removesuffix("-come")  # COME's plug-ins: the host's step with COME's entropy
     self.method = method
     self.model = model
     self.eval_order = eval_order or ("after" if method == "pcsr-frozen" else "before")
@@ -193,7 +208,7 @@ class TorchAdapter:
 
   def _step_tent(self, x):
     out = self.model(x)
-    loss = softmax_entropy(out).mean(0)
+    loss = self.entropy(out).mean(0)
     self.opt.zero_grad()
     loss.backward()
     self.opt.step()
@@ -203,7 +218,7 @@ class TorchAdapter:
     """SAR's second forward at the perturbed weights, SAM's second step, the EMA and the reset."""
     out2 = self.model(x)
     self.perturbed_logits = out2
-    ent2 = softmax_entropy(out2)[mask1]
+    ent2 = self.entropy(out2)[mask1]
     mask2 = ent2 < self.margin
     loss2 = masked_mean(ent2, mask2)
     if bool(mask2.any()):  # the official code skips a NaN loss (empty second mask)
@@ -220,7 +235,7 @@ class TorchAdapter:
   def _step_sar(self, x):
     self.opt.zero_grad()
     out = self.model(x)
-    ent = softmax_entropy(out)
+    ent = self.entropy(out)
     mask1 = ent < self.margin
     masked_mean(ent, mask1).backward()
     self.opt.first_step()
@@ -273,7 +288,7 @@ def load_recalibrator(rc: Recalibrator, p: Mapping[str, Any]) -> None:
       lin.bias.copy_(torch.from_numpy(np.asarray(p[name]["bias"]).copy()))
 
 
-ORIGINAL = ("source", "tent", "sar", "pcsr", "pcsr-frozen")  # the methods `TorchAdapter` implements
+ORIGINAL = ("source", "tent", "sar", "pcsr", "pcsr-frozen", "tent-come", "sar-come")  # `TorchAdapter`'s methods
 
 
 def make_reference(method: str, model: nn.Module, batch_size: int, **kw):

@@ -21,6 +21,30 @@ def entropy(logits: Array) -> Array:
   return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
 
 
+LOSSES = ("entropy", "come")  # what TENT, SAR and EATA minimize (their ``loss`` field)
+
+
+def come_entropy(logits: Array, uncertainty: float = 1000.0, eps: float = 1e-7) -> Array:
+  """COME's entropy (Zhang et al., ICLR 2025; ``dirichlet_entropy`` of the official ``tent_come.py``,
+  ``sar_come.py``, ``eata_come.py``), ``[B, K] -> [B]``: the logits ``z`` rescaled as ``z / ||z|| * sg(||z||)``
+  (the same values; the gradient only turns ``z``), ``e = exp(z)``, ``S = sum(e) + 1000``, and the entropy of
+  the K+1 entries ``[e / S, 1000 / S] + 1e-7``. The official exponentiates unshifted (float32 overflow above a
+  logit of 88); here ``e`` and ``S`` are divided by ``exp(max(max z, 0))`` first, the same numbers."""
+  z = logits.astype(jnp.float32)
+  n = jnp.linalg.norm(z, axis=-1, keepdims=True)
+  z = z / n * jax.lax.stop_gradient(n)
+  m = jax.lax.stop_gradient(jnp.maximum(z.max(-1, keepdims=True), 0.0))
+  e, u = jnp.exp(z - m), uncertainty * jnp.exp(-m)
+  s = e.sum(-1, keepdims=True) + u
+  p = jnp.concatenate([e / s, u / s], axis=-1) + eps
+  return -jnp.sum(p * jnp.log(p), axis=-1)
+
+
+def adaptation_entropy(logits: Array, loss: str) -> Array:
+  """Per-sample ``entropy`` (``loss`` 'entropy') or `come_entropy` ('come')."""
+  return come_entropy(logits) if loss == "come" else entropy(logits)
+
+
 def entropy_margin(num_classes: int, factor: float = 0.4) -> float:
   """SAR's reliability threshold E0 = factor * ln(C) (0.4 ln 1000 on ImageNet)."""
   return factor * math.log(num_classes)

@@ -10,7 +10,7 @@ import pytest
 from flax import traverse_util
 
 import float_checks
-from pcsr_jax import engine, methods, weights
+from pcsr_jax import engine, losses, methods, weights
 from pcsr_jax.errors import UserError
 from pcsr_jax.methods.base import merge, split
 from pcsr_jax.methods.eata import ProbsAverage, select_samples
@@ -196,13 +196,13 @@ def torch_setup():
   return sd, xs, src
 
 
-def run_both(name, sd, xs, src, **kw):
+def run_both(name, sd, xs, src, margin=MARGIN, **kw):
   import torch
 
   from benchmarks.torch_reference import make_reference
   from pcsr_jax import timm_parity
 
-  method = methods.get(name, margin_factor=MARGIN, d_margin=D0, **kw)
+  method = methods.get(name, margin_factor=margin, d_margin=D0, **kw)
   params = weights.timm_to_flax(sd, CFG)
   stats = None
   if method.uses_source_data():
@@ -212,7 +212,7 @@ def run_both(name, sd, xs, src, **kw):
   ad = engine.Adapter(method, create(CFG), params, batch_size=B, source_stats=stats)
   nchw = lambda x: torch.from_numpy(x.transpose(0, 3, 1, 2).copy())
   ref_kw = dict(kw, source_batches=[nchw(x) for x in src]) if method.uses_source_data() else dict(kw)
-  ref = make_reference(name, timm_parity.timm_model(CFG, sd), B, e_margin=MARGIN * np.log(CFG.num_classes),
+  ref = make_reference(name, timm_parity.timm_model(CFG, sd), B, e_margin=margin * np.log(CFG.num_classes),
                        d_margin=D0, **ref_kw)
   state, trace = ad.init_state(), []
   for x in xs:
@@ -263,3 +263,25 @@ def test_eata_and_eta_agree_with_pytorch(torch_setup):
   _, fisher_effect, _ = float_checks.compare_updates(results["eata"][0], results["eata"][1], results["eta"][0])
   print(f"EATA vs ETA: updates max rel diff {fisher_effect:.2e}")
   assert fisher_effect > 1e-2  # the Fisher term matters on this stream
+
+
+@pytest.mark.torch
+def test_come_eata_agrees_with_pytorch(torch_setup):
+  """COME's EATA (``eata_come.py``): the filter, weight and loss on COME's entropy (0.07-0.15 on this random
+  model: E0 = 0.1), the redundancy check on the softmax; the same counts, logits and updates as the reference
+  (at lr 0.05: the default's updates sit at float32's resolution of the params)."""
+  sd, xs, src = torch_setup
+  margin = 0.0434  # E0 = 0.0434 ln 10 = 0.1
+  trace, js, jsrc, ts, _, _ = run_both("eata-come", sd, xs, src, margin=margin, lr=0.05)
+  for t in trace:
+    float_checks.assert_predictions_match(t["torch"].argmax(-1), t["jax"])
+    np.testing.assert_allclose(t["jax"], t["torch"], atol=1e-4, rtol=1e-4)
+    assert t["counts"] == t["torch_counts"], (t["counts"], t["torch_counts"])
+    ent = np.asarray(losses.come_entropy(jnp.asarray(t["jax"])))
+    assert np.min(np.abs(ent - margin * np.log(CFG.num_classes))) > 1e-4  # no decision within float noise
+  counts = [t["counts"] for t in trace]
+  print(f"eata-come: (reliable, kept) per step {counts}")
+  assert any(0 < r < B for r, _ in counts) and any(k > 0 for _, k in counts)
+  worst, worst_update, excess = float_checks.compare_updates(js, jsrc, ts)
+  print(f"eata-come: adapted params max rel diff {worst:.2e}; updates max rel diff {worst_update:.2e}")
+  assert worst < 1e-4 and excess <= 0, (worst, excess)

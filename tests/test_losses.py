@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 
 from pcsr_jax import losses
 
@@ -60,3 +61,45 @@ def test_similarity_loss_eq3():
   valid = np.array([1, 1, 1, 0, 0], bool)
   expected = -sims[:, :3].mean(axis=0).mean()  # -(1/L) sum_l, averaged over the batch
   np.testing.assert_allclose(float(losses.similarity_loss(sims, valid)), expected, rtol=1e-6)
+
+
+def np_come_entropy(z: np.ndarray) -> np.ndarray:
+  """COME's ``dirichlet_entropy`` in float64, as its code computes it (unshifted exp, 1000, 1e-7)."""
+  e = np.exp(z)
+  s = e.sum(-1, keepdims=True) + 1000.0
+  p = np.concatenate([e / s, 1000.0 / s], axis=-1) + 1e-7
+  return -(p * np.log(p)).sum(-1)
+
+
+def test_come_entropy_matches_the_official_form_and_survives_large_logits():
+  """`losses.come_entropy`: COME's value (float64 transcription, 1e-5), its gradient orthogonal to the logits
+  (the norm detached, as the official code detaches it: the gradient turns the
+  logits; `test_come_entropy_gradient_is_the_official_codes`), and finite where the official's unshifted exp
+  overflows float32 (a logit above 88)."""
+  import jax
+  import jax.numpy as jnp
+
+  rng = np.random.default_rng(0)
+  z = np.concatenate([rng.normal(0, s, (8, 1000)) for s in (0.5, 2.0, 6.0)]).astype(np.float32)
+  got = np.asarray(losses.come_entropy(jnp.asarray(z)))
+  np.testing.assert_allclose(got, np_come_entropy(z.astype(np.float64)), rtol=1e-5, atol=1e-6)
+  g = np.asarray(jax.grad(lambda x: losses.come_entropy(x).sum())(jnp.asarray(z)))
+  assert np.abs((g * z).sum(-1)).max() < 1e-4 * np.abs(g).sum(-1).max() * np.abs(z).max()  # turns z only
+  big = z[:2] * 0 + np.linspace(-5, 120, 1000, dtype=np.float32)
+  assert np.isfinite(np.asarray(losses.come_entropy(jnp.asarray(big)))).all()
+  np.testing.assert_array_equal(np.asarray(losses.adaptation_entropy(jnp.asarray(z), "come")), got)
+
+
+@pytest.mark.torch
+def test_come_entropy_gradient_is_the_official_codes():
+  import jax
+  import jax.numpy as jnp
+  import torch
+
+  from benchmarks.torch_reference import dirichlet_entropy
+
+  z = np.random.default_rng(1).normal(0, 3, (16, 1000)).astype(np.float32)
+  g = np.asarray(jax.grad(lambda x: losses.come_entropy(x).sum())(jnp.asarray(z)))
+  t = torch.from_numpy(z).requires_grad_(True)
+  dirichlet_entropy(t).sum().backward()
+  np.testing.assert_allclose(g, t.grad.numpy(), rtol=1e-3, atol=1e-7)

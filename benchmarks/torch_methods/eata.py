@@ -64,6 +64,8 @@ def compute_fishers(model: nn.Module, batches: Sequence[torch.Tensor]) -> dict:
 class Reference:
   """EATA on ``model`` (fisher_alpha > 0 and ``source_batches``) or ETA (fisher_alpha = 0)."""
 
+  entropy = staticmethod(softmax_entropy)  # of the filter, the weight and the loss (COME's: `eata_come.py`)
+
   def __init__(self, model: nn.Module, batch_size: int, source_batches: Optional[Sequence[torch.Tensor]] = None,
                fisher_alpha: float = 2000.0, e_margin: Optional[float] = None, d_margin: float = 0.05,
                lr: Optional[float] = None):
@@ -88,7 +90,7 @@ class Reference:
   @torch.enable_grad()
   def step(self, x: torch.Tensor) -> torch.Tensor:
     outputs = self.model(x)
-    entropys = softmax_entropy(outputs)
+    entropys = self.entropy(outputs)
     filter_ids_1 = torch.where(entropys < self.e_margin)
     ids2 = torch.where(filter_ids_1[0] > -0.1)
     entropys = entropys[filter_ids_1]

@@ -57,6 +57,10 @@ REGISTRY: dict[str, tuple[type[Method], dict]] = {
     "cmf": (CMF, {}),
     "dept-g": (DePTG, {}),  # needs prompts trained on source: experiments/train_prompts.py
     "dda": (DDA, {}),  # needs a diffusion checkpoint: convert_weights.py --unet-config
+    # COME (ICLR 2025) on its three hosts: their steps with COME's entropy over K+1 entries
+    "tent-come": (Tent, {"loss": "come"}),
+    "sar-come": (SAR, {"loss": "come"}),
+    "eata-come": (EATA, {"loss": "come"}),
 }
 
 

@@ -20,6 +20,10 @@ same step, BN-only).
 * ETA (``fisher_alpha = 0``, registry name ``eta``) is EATA without the regularizer and needs no source data.
   EATA run without source statistics (``prep.consts`` None) drops the term too, i.e. runs as ETA.
 * The reported prediction is the loss forward's (before the update).
+* ``loss='come'`` (registry name ``eata-come``) is COME's EATA (``BlueWhaleLab/COME:eata_come.py``): the
+  entropy of the reliability filter, the weight and the loss is `losses.come_entropy`'s; the redundancy check
+  still compares softmax probabilities, and the Fisher is the same; the checkpoint's normalization, where COME's
+  runs take ImageNet's.
 """
 
 from __future__ import annotations
@@ -91,6 +95,7 @@ class EATA(Method):
   momentum: float = field(0.9, "[0, 1)")
   fisher_alpha: float = field(2000.0, ">= 0")  # main.py --fisher_alpha; 0: ETA
   d_margin: float = field(0.05, "> 0")  # main.py --d_margin
+  loss: str = field("entropy", losses.LOSSES)  # 'come': COME's entropy over K+1 entries
 
   def uses_source_data(self) -> bool:
     return self.fisher_alpha != 0
@@ -154,11 +159,12 @@ class EATA(Method):
     consts = prep.consts if self.fisher_alpha != 0 else None
 
     logits, pullback = jax.vjp(lambda t: self.forward(prep, frozen, t, images)[0], state.trainable)
-    ent = losses.entropy(logits)
+    ent = losses.adaptation_entropy(logits, self.loss)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     reliable, kept, avg = select_samples(probs, ent, valid, state.extra, e_margin, self.d_margin)
     weight = jnp.exp(e_margin - ent)  # 1 / exp(ent - E0), a constant of the loss
-    loss, dlogits = jax.value_and_grad(lambda lg: losses.masked_mean(losses.entropy(lg) * weight, kept))(logits)
+    entropy = lambda lg: losses.adaptation_entropy(lg, self.loss)
+    loss, dlogits = jax.value_and_grad(lambda lg: losses.masked_mean(entropy(lg) * weight, kept))(logits)
 
     def ewc(trainable):
       return self.fisher_alpha * sum(

@@ -28,6 +28,10 @@
 * The reported prediction is the first forward's (before the update);
   ``eval_order='perturbed'`` reports the second forward's.
 
+``loss='come'`` (registry name ``sar-come``) is COME's SAR (``BlueWhaleLab/COME:sar_come.py``): both passes'
+entropies (their masks against E0, the losses, the EMA and its 0.2 reset) are `losses.come_entropy`'s; the
+checkpoint's normalization, where COME's runs take ImageNet's.
+
 An empty mask gives a zero gradient (PyTorch: NaN loss, zero grads); the SGD
 step still runs, so momentum moves the params as it does in PyTorch.
 """
@@ -60,6 +64,7 @@ class SAR(Method):
   clear_ema_on_reset: bool = False
   # "official": SAM's inner momentum survives a reset; "all": cleared too
   reset_optimizer: str = field("official", RESET_OPTIMIZER)
+  loss: str = field("entropy", losses.LOSSES)  # 'come': COME's entropy over K+1 entries
 
   def trainable(self, path) -> bool:
     return is_block_layernorm_param(path, self.skip_blocks)
@@ -76,7 +81,7 @@ class SAR(Method):
 
     def first(trainable):
       logits, _ = self.forward(prep, frozen, trainable, images)
-      ent = losses.entropy(logits)
+      ent = losses.adaptation_entropy(logits, self.loss)
       mask1 = losses.reliable_mask(ent, margin, valid)
       return losses.masked_mean(ent, mask1), (logits, mask1)
 
@@ -85,7 +90,7 @@ class SAR(Method):
 
     def second(trainable):
       logits2, _ = self.forward(prep, frozen, trainable, images)
-      ent2 = losses.entropy(logits2)
+      ent2 = losses.adaptation_entropy(logits2, self.loss)
       mask2 = losses.reliable_mask(ent2, margin, mask1)  # re-filter among the first pass's samples
       return losses.masked_mean(ent2, mask2), (logits2, mask2)
 
