@@ -6,10 +6,10 @@ benchmark with each.
 
 The images are what DDA's round trip sees: the built-in benchmark's corrupted Fashion-MNIST-C images at the
 UNet's 32 px (`--images` per corruption, the 15 benchmark corruptions), and uniform noise (the JPEG's worst
-case) at 32 and 256 px (ImageNet's UNet), each saved at ``--quality`` (DDA's 75) by PIL and by `corrupt_device.jpeg`. Prints the mean and
-largest absolute difference in 8-bit levels and the share of pixel values that differ; with ``--accuracy`` the
-main job runs DDA on the built-in benchmark twice (``jpeg`` 'pil' and 'device', everything else the same) and
-prints both tables' averages.
+case) at 32 and 256 px (ImageNet's UNet), each saved at ``--quality`` (DDA's 75) by PIL and by
+`corrupt_device.jpeg`. Prints the mean and largest absolute difference in 8-bit levels and the share of pixel
+values that differ; with ``--accuracy`` the main job runs DDA on the built-in benchmark twice (``jpeg`` 'pil'
+and 'device', everything else the same) and prints both tables' averages.
 """
 
 from __future__ import annotations

@@ -488,7 +488,8 @@ def run_order(names: Sequence[str]) -> list[str]:
 PART_S = 450.0  # each part's budget: one GPU command (600 s) with margin for the machine's start and the copy
 PARTS = {
     "A": dict(methods="source,tent,sar,pcsr,pcsr-frozen,dept-g,dda", e2e=True),
-    "B": dict(methods="t3a,eta,eata,deyo,cfa,spa,roid,cmf,foa,tent-come,sar-come,eata-come", e2e=False),
+    "B": dict(methods="t3a,eta,eata,deyo,cfa,spa,roid,cmf,foa,tent-come,sar-come,eata-come,vct,dct,dpal,zerosiam,"
+                      "rem,dpcore", e2e=False),
     "C": dict(methods="cotta,adacontrast,memo", e2e=False, batch_sizes="memo=16"),
 }
 

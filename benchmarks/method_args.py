@@ -10,7 +10,11 @@ same arrays. DDA cannot run without a diffusion checkpoint (``unet``): the bench
 guided-diffusion UNet (`BENCH_UNET`: the built-in benchmark's config, 32 px, 1.4M params) at FRESH random weights
 (the Flax init, seed `SEED`), written as a checkpoint for JAX (`jax_args`) and loaded into the PyTorch UNet
 (``benchmarks/torch_methods/guided_unet.py``) for the reference (`torch_args`), at DDA's official step counts
-(N 50 of the "100" respacing). Every other method needs nothing.
+(N 50 of the "100" respacing). The references of PCSR's authors' earlier methods (VCT, DCT, DPAL) take the
+threshold E0 and the initial values of their random modules (DCT's generators, DPAL's prompts), which the JAX
+side draws from its own seed: `lineage_args` draws them from the same distributions (a step's speed depends
+only on their shapes). DPCore's source filter keeps every benchmark image (`DPCORE`). Every other method needs
+nothing.
 """
 
 from __future__ import annotations
@@ -64,6 +68,8 @@ def jax_args(method: str, model, params) -> dict[str, str]:
   process); ``{}`` for every other method."""
   if method == "dda":
     return {"unet": _dda_folder()}
+  if method == "dpcore":
+    return dict(DPCORE)
   if method != "dept-g":
     return {}
   from pcsr_jax import checkpoint
@@ -100,12 +106,16 @@ def torch_args(method: str, arch: str) -> dict[str, Any]:
   """The PyTorch reference's keyword arguments for ``method`` on ``arch``: for DePT-G the official sizes and
   `fresh_extra`'s prompts and DINO heads (the head stays the model's own, which is the JAX side's: both load
   the same weights); for DDA the PyTorch UNet with `fresh_unet`'s weights (on the GPU if there is one) and its
-  image size; ``{}`` for every other method.
+  image size; for VCT, DCT and DPAL `lineage_args`; ``{}`` for every other method.
 
   JAX computes them on the CPU only: in a PyTorch worker a JAX GPU backend would reserve most of the GPU's
   memory ahead of PyTorch's step (this sets ``jax_platforms``, which only takes effect in a process where JAX
   has not started a backend yet, as in the benchmarks' PyTorch workers).
   """
+  if method in LINEAGE:
+    return lineage_args(method, arch)
+  if method == "dpcore":
+    return dict(source_threshold=DPCORE["source_margin"], num_samples=DPCORE["source_kept"])
   if method not in ("dept-g", "dda"):
     return {}
   import jax
@@ -133,3 +143,32 @@ def torch_unet():
   unet = guided_unet.build(cfg)
   unet.load_state_dict({k: torch.from_numpy(v) for k, v in flax_to_torch(params).items()}, strict=True)
   return unet.eval().to("cuda" if torch.cuda.is_available() else "cpu")
+
+
+LINEAGE = ("vct", "dct", "dpal")
+# DPCore's source statistics keep the source images whose prompted entropy is below ln(C) / 2 - 1, which random
+# weights never reach: the benchmarks keep every one (a step's cost does not depend on which passed).
+DPCORE = {"source_margin": 1e6, "source_kept": 2}
+
+
+def lineage_args(method: str, arch: str) -> dict[str, Any]:
+  """VCT's, DCT's and DPAL's reference arguments on ``arch``: E0 = 0.4 ln C, and `SEED`'s draws of DCT's
+  generators (PyTorch's default Linear init, blocks 0-8) and DPAL's prompts (its uniform init)."""
+  import math
+
+  import numpy as np
+
+  from pcsr_jax.models import get_config
+
+  c = get_config(arch)
+  rng = np.random.default_rng(SEED)
+  kw: dict[str, Any] = {"margin": 0.4 * math.log(c.num_classes)}
+  d = c.embed_dim
+  if method == "dct":
+    u = lambda *shape: rng.uniform(-d ** -0.5, d ** -0.5, shape).astype(np.float32)
+    kw["generator_init"] = {i: (u(3 * d, d), u(3 * d)) for i in range(min(9, c.depth))}
+  if method == "dpal":
+    bound = math.sqrt(6.0 / (3 * c.patch_size ** 2 + d))
+    u = lambda *shape: rng.uniform(-bound, bound, shape).astype(np.float32)
+    kw["prompt_init"] = {"prompt_embeddings": u(1, 1, d), "deep_prompt_embeddings": u(c.depth - 1, 1, d)}
+  return kw

@@ -16,7 +16,8 @@
   state buffers are donated, and nothing is copied to the host.
 * ``eval_order='before'`` returns the logits of the forward that computed the
   loss (SAR's code); ``'after'`` re-runs the forward with the updated params
-  (PCSR's Algorithm 1); ``'perturbed'`` returns a SAM method's second forward,
+  (PCSR's Algorithm 1; a method whose step runs that forward itself returns it as ``after_logits``, VCT's third
+  forward); ``'perturbed'`` returns a SAM method's second forward,
   at the perturbed weights (DPAL's code). The default is the method's own.
 * The batch is sharded over a 1-D ``'data'`` mesh of all devices, params and
   state are replicated; the global batch is padded to a multiple of the device
@@ -164,11 +165,11 @@ class Adapter:
     # The traced statistics (not baked-in constants), and the mesh for a method's gathered rows (`shard_rows`).
     prep = dataclasses.replace(self.prep, consts=consts, mesh=self.mesh, row_chunk=self.row_chunk)
     state, logits, metrics = self.method.update(prep, frozen, state, images, valid)
-    perturbed = metrics.pop("perturbed_logits", None)
+    perturbed, after = metrics.pop("perturbed_logits", None), metrics.pop("after_logits", None)
     if self.eval_order == "perturbed":
       logits = perturbed
-    elif self.eval_order == "after":
-      logits, _ = self.method.forward(prep, frozen, state.trainable, images)
+    elif self.eval_order == "after":  # a method whose official step ends with that forward returns it (VCT)
+      logits = after if after is not None else self.method.forward(prep, frozen, state.trainable, images)[0]
     # A diverged step (NaN/inf logits or adapted params) must stop a run, not become "every prediction class 0".
     finite = jnp.all(jnp.where(valid[:, None], jnp.isfinite(logits), True))
     for leaf in jax.tree.leaves(state.trainable):
@@ -235,8 +236,7 @@ class Adapter:
     """One online step on a batch of up to ``batch_size`` images (NHWC uint8, or float32 normalized): the logits
     of those images, one row each (a smaller batch is padded to the compiled size inside, and the padding's rows
     cut off)."""
-    shape, c = np.shape(images), self.prep.model.config
-    want = (c.img_size, c.img_size, c.in_chans)
+    shape, want = np.shape(images), self._image_shape()
     if len(shape) != 4 or tuple(shape[1:]) != want:
       raise UserError(f"images of shape {tuple(shape)}: expected [batch, {want[0]}, {want[1]}, {want[2]}] "
                       f"(NHWC at the checkpoint's img_size, meta['img_size'])")
@@ -254,10 +254,13 @@ class Adapter:
     (``.compile().cost_analysis()``), as `benchmarks/profile_step.py` reads them. Traces once more."""
     return self._step.lower(self.frozen, self.consts, state, *placed)
 
-  def export(self, platforms_: Sequence[str]) -> Any:
-    """The step exported (`jax.export`) for other platforms ("cuda", "tpu"), e.g. from a CPU host: its
-    StableHLO (``.mlir_module()``) is what a GPU or TPU would compile. The Adapter should be built with
-    ``platform=`` the same platform, so that the step holds that platform's variants."""
+  def export(self, platforms_: Optional[Sequence[str]] = None) -> Any:
+    """The step exported (`jax.export`) for the platform it was built for (``platform=``; None) or for the
+    lowering names in ``platforms_`` ("cuda", "tpu"), e.g. from a CPU host: its StableHLO (``.mlir_module()``)
+    is what a GPU or TPU would compile. Lowering for another platform than the step's holds the step's
+    variants (a CPU's closed forms on a GPU), which only a test of that mismatch wants."""
+    if platforms_ is None:
+      platforms_ = (platforms.LOWERING[self.platform],)
     args = (self.frozen, self.consts, self.init_state()) + self.place(np.zeros(
         (self.batch_size,) + self._image_shape(), np.uint8 if self._table is not None else np.float32))
     # cuDNN's fused attention is a custom call jax gives no serialization guarantee for: allowed here (the

@@ -163,8 +163,8 @@ def _score(setup: Setup, u: _Unit) -> None:
   preds, finite, batch, domain, at_batch = u.pending
   u.pending = None
   if not bool(finite):
-    raise UserError(f"{u.unit.method}/seed{u.unit.seed} diverged on {domain} at batch {at_batch}: non-finite logits or adapted "
-                    f"parameters (lower its learning rate in --method-args)")
+    raise UserError(f"{progress.stem(u.unit.key)} diverged on {domain} at batch {at_batch}: non-finite logits or "
+                    f"adapted parameters (lower its learning rate in --method-args)")
   u.progress.account(preds, batch, setup.names, setup.relabel, setup.num_classes, u.rec.curve)
 
 

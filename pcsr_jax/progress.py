@@ -245,6 +245,10 @@ class Resume:
   def unit_dir(self, key: str) -> str:
     return os.path.join(self.dir, "units", unit_folder(key))
 
+  def claim_path(self, key: str) -> str:
+    """The file a worker of a shared table holds while it runs unit ``key`` (`pcsr_jax.units.Claims`)."""
+    return os.path.join(self.dir, "claims", unit_folder(key))
+
   def load_unit(self, key: str) -> Optional[UnitRecord]:
     path = os.path.join(self.unit_dir(key), "unit.json")
     if not os.path.isfile(path):
@@ -328,9 +332,14 @@ def check_resumable(manifest: dict, key: str, data_key: str, path: str, checkpoi
   ``joined``: the manifest is a shared table's (``--join``), which this worker must be started like."""
   differ = _config_diff(manifest["config_key"], key) if manifest["config_key"] != key else None
   if joined and (differ is not None or manifest["data_key"] != data_key):
-    what = ("the params of --checkpoint " + checkpoint_dir if differ and "checkpoint_params" in differ else
-            "its settings (" + ", ".join(differ) + ")" if differ else "its settings" if differ is not None else
-            "its data (images added, removed or relabelled)")
+    if differ and "checkpoint_params" in differ:
+      what = f"the params of --checkpoint {checkpoint_dir}"
+    elif differ:
+      what = f"its settings ({', '.join(differ)})"
+    elif differ is not None:
+      what = "its settings"
+    else:
+      what = "its data (images added, removed or relabelled)"
     raise UserError(f"{path}: this worker differs from the others of this table in {what}; start every worker "
                     f"alike, or use another --output")
   if differ is not None:

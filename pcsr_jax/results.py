@@ -12,7 +12,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from pcsr_jax import distributed, files, platforms
+from pcsr_jax import distributed, files
 from pcsr_jax.data.imagenet import SHORT_NAMES
 from pcsr_jax.errors import UserError
 
@@ -301,7 +301,7 @@ def write_outputs(setup: Any, progress: Any, log) -> dict:
              decode_images_per_s=setup.decode_ips, throughput=progress.throughput)
   if not distributed.is_main():  # one set of outputs: process 0's
     return out
-  kernels = dict(platform=platforms.of_devices(jax.local_devices()), attention=setup.model.attention,
+  kernels = dict(platform=setup.platform, attention=setup.model.attention,
                  cpu_backward=setup.model.cpu_ops)  # what --attention auto and the platform chose
   extra = dict(versions=versions(), method_classes={m: methods.origin(m) for m in cfg.methods}, kernels=kernels,
                skipped=progress.skipped, decode_images_per_s=setup.decode_ips,

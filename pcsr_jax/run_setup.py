@@ -64,6 +64,7 @@ class Setup:
   done: Optional[set] = dataclasses.field(default_factory=set)  # units finished already (None: the whole table)
   finished: dict = dataclasses.field(default_factory=dict)  # key -> `progress.UnitRecord` of the units run here
   groups: list = dataclasses.field(default_factory=list)  # one device mesh per group that runs a unit at once
+  platform: str = "cpu"  # the run's devices' (`platforms.of_devices`): what --attention auto chose for
 
   def columns(self) -> list[str]:
     """The table's and plots' columns: the domains, or for the gradual setting the corruptions (each the mean
@@ -109,7 +110,7 @@ def setup(cfg: RunConfig, log) -> Setup:
   done, commit = _start_progress(cfg, resume, exchange, manifest, plan, log)
   s = Setup(cfg, spec, stream.model, params, stream.num_classes, stream.names, stream.srcs, stream.relabel, loader,
             resume, config_json, decode_ips, exchange, meta, plans, source, ckpt_digest, stream.ccc, corrupters,
-            segments, plan, done, groups=groups)
+            segments, plan, done, groups=groups, platform=platform)
   if done is not None:
     load_source_stats(s, log)  # an unreadable --source-data stops the run before it writes anything
   commit()
@@ -212,7 +213,8 @@ def _start_progress(cfg: RunConfig, resume: Resume, exchange: distributed.Exchan
                         f"(--source-data, --source-images or its images differ); start every worker alike")
     return {u.key for u in plan if (r := resume.load_unit(u.key)) is not None and r.done}, nothing
   saved = resume.load() if cfg.resume else None
-  progress.check_same_progress(exchange, resume)
+  if cfg.resume:  # a fresh run ignores what the folder holds, so hosts may see different leftovers there
+    progress.check_same_progress(exchange, resume)
   main = distributed.is_main()  # the only process that writes in the output folder
   if saved is None:
     if cfg.resume:

@@ -106,7 +106,7 @@ class Units:
     self.done = set(done)
     self.t0 = time.monotonic()
     self.images = 0  # streamed by this process
-    # method/seed -> [seen, correct, images, seconds, units] of its units finished by this process
+    # method/seed -> [seen, correct, seconds, units] of its units finished by this process
     self.totals: dict[str, list] = {}
     self._lock = threading.Lock()
 
@@ -128,24 +128,23 @@ class Units:
     with self._lock:
       self.done.add(unit.key)
       self.images += up.seen
-      t = self.totals.setdefault(stem(unit.key), [0, 0, 0, 0.0, 0])
+      t = self.totals.setdefault(stem(unit.key), [0, 0, 0.0, 0])
       t[0] += up.seen
       t[1] += up.correct
-      t[2] += up.seen
-      t[3] += up.total_seconds
-      t[4] += 1
+      t[2] += up.total_seconds
+      t[3] += 1
       left = sum(u.images for u in self.plan if u.key not in self.done)
       rate = self.images / max(time.monotonic() - self.t0, 1e-9)
-      all_here = t[4] == sum(stem(u.key) == stem(unit.key) for u in self.plan)  # every one of them run here
+      all_here = t[3] == sum(stem(u.key) == stem(unit.key) for u in self.plan)  # every one of them run here
       n_done = len(self.done)
     eta = f", about {_duration(left / rate)} left" if left and self.images else ""
     if unit.key != stem(unit.key):
       self.log(f"{unit.key}: accuracy {100 * up.correct / max(up.seen, 1):.2f}% over {up.seen:,} images; units "
                f"{n_done} of {len(self.plan)} done{eta}")
     if all_here:
-      seen, correct, images, seconds, _ = t
+      seen, correct, seconds, _ = t
       self.log(f"{stem(unit.key)}: accuracy {100 * correct / max(seen, 1):.2f}% over {seen:,} images, "
-               f"{images / max(seconds, 1e-9):.1f} img/s end to end" +
+               f"{seen / max(seconds, 1e-9):.1f} img/s end to end" +
                (f"; units {n_done} of {len(self.plan)} done{eta}" if unit.key == stem(unit.key) else ""))
 
 

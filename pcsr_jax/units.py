@@ -119,7 +119,7 @@ class Claims:
       for u in self.units:
         if u.key in self._taken or u.key in self.done:
           continue
-        if self.shared and (self._finished_elsewhere(u.key) or not self._claim(u.key)):
+        if self.shared and not self._claim(u.key):
           continue
         self._taken.add(u.key)
         return u
@@ -148,7 +148,7 @@ class Claims:
     return False
 
   def _claim(self, key: str) -> bool:
-    path = os.path.join(self.dir, progress.unit_folder(key))
+    path = self.resume.claim_path(key)
     body = json.dumps(dict(worker=self.me, host=socket.gethostname(), pid=os.getpid(), since=time.time()))
     for _ in range(2):  # a fresh claim, or a dead worker's taken over and claimed afresh
       try:
@@ -159,7 +159,7 @@ class Claims:
         continue
       with os.fdopen(fd, "w") as f:
         f.write(body)
-      if self._finished_elsewhere(key):  # finished between our look and our claim
+      if self._finished_elsewhere(key):  # finished by another worker, before or while we claimed it
         os.remove(path)
         return False
       self._held[key] = path

@@ -98,8 +98,12 @@ def dda_unet(directory: str, seed: int = 0) -> str:
 def required_args(name: str, model, params) -> dict:
   """The method arguments a registered method cannot run without on ``model``/``params``: DePT-G's prompts
   (written once per checkpoint into a temporary folder), DDA's diffusion checkpoint (written once; with 2 steps
-  to keep the tests quick); nothing for the others."""
+  to keep the tests quick); DPCore's source filter keeping any 2 images (random weights: no entropy below
+  ln(C) / 2 - 1) and 2 steps on a new domain; nothing for the others."""
   import tempfile
+
+  if name == "dpcore":
+    return {"source_kept": 2, "source_margin": 1e6, "steps_new": 2}
 
   if name == "dda":
     if 0 not in _UNET_DIRS:

@@ -69,6 +69,7 @@ METHOD_ARGS: dict[str, dict] = {
     **SWEPT,
     "sar": {**SWEPT["sar"], "reset_constant": RESET_CONSTANT},
     "pcsr": {"reset_constant": RESET_CONSTANT},
+    **{m: {"reset_constant": RESET_CONSTANT} for m in ("vct", "dct", "dpal")},  # SAR's reset, PCSR's lineage
     "eta": {"d_margin": D_MARGIN},
     "eata": {"d_margin": D_MARGIN},
     "spa": {"noise_patch": SPA_NOISE_PATCH},

@@ -74,8 +74,8 @@ def parser(prog: str, description: str, presets: dict) -> ArgumentParser:
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
   p.add_argument("--dtype", help="backbone compute dtype: float32 (default, the paper numbers) or bfloat16 "
                                  "(params, losses, optimizer state stay float32)")
-  p.add_argument("--attention", help="attention kernel: auto (default: cudnn on a GPU in bfloat16, xla on a GPU in float32 "
-                 "and on a TPU, matmul on a CPU), matmul, xla, or cudnn")
+  p.add_argument("--attention", help="attention kernel: auto (default: cudnn on a GPU in bfloat16, xla on a GPU "
+                 "in float32 and on a TPU, matmul on a CPU), matmul, xla, or cudnn")
   p.add_argument("--cpu-devices", type=int, help="on a CPU: split it into N JAX devices sharing each batch (one per "
                  "core is fastest; default 1)")
   p.add_argument("--row-chunk", type=int, help="run every forward of the model in passes of N rows (a divisor of "

@@ -62,7 +62,7 @@ def load_progress(run: str) -> dict:
   merged = progress.merge([r for k, r in recs.items() if k not in missing and progress.stem(k) not in open_stems])
   claims = {}
   for k in missing:
-    path = os.path.join(resume.dir, "claims", progress.unit_folder(k))
+    path = resume.claim_path(k)
     if os.path.isfile(path):
       claims[k] = time.time() - os.stat(path).st_mtime
   return dict(config=config, records=merged.records, throughput=merged.throughput, complete=False, path=resume.path,
@@ -168,9 +168,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                  "instead: one with the machine to itself, of the same dataset, setting, batch size and dtype")
   a = p.parse_args(argv)
   runs = [load(r, a.partial) for r in a.runs]
-  for run in runs:
-    if report_missing(run):
-      print(report_missing(run), file=sys.stderr)
+  for line in map(report_missing, runs):
+    if line:
+      print(line, file=sys.stderr)
   table = merge(runs, speed=load(a.speed) if a.speed else None)
   print(table, end="")
   if a.output:

@@ -23,19 +23,25 @@ from pcsr_jax.methods.adacontrast import AdaContrast
 from pcsr_jax.methods.cfa import CFA
 from pcsr_jax.methods.cmf import CMF
 from pcsr_jax.methods.cotta import CoTTA
+from pcsr_jax.methods.dct import DCT
 from pcsr_jax.methods.dda import DDA
 from pcsr_jax.methods.dept import DePTG
+from pcsr_jax.methods.dpal import DPAL
+from pcsr_jax.methods.dpcore import DPCore
 from pcsr_jax.methods.deyo import DeYO
 from pcsr_jax.methods.eata import EATA
 from pcsr_jax.methods.foa import FOA
 from pcsr_jax.methods.memo import MEMO
 from pcsr_jax.methods.pcsr import PCSR
 from pcsr_jax.methods.roid import ROID
+from pcsr_jax.methods.rem import REM
 from pcsr_jax.methods.sar import SAR
 from pcsr_jax.methods.source import Source
 from pcsr_jax.methods.spa import SPA
 from pcsr_jax.methods.t3a import T3A
 from pcsr_jax.methods.tent import Tent
+from pcsr_jax.methods.vct import VCT
+from pcsr_jax.methods.zerosiam import ZeroSiam
 
 REGISTRY: dict[str, tuple[type[Method], dict]] = {
     "source": (Source, {}),
@@ -61,6 +67,13 @@ REGISTRY: dict[str, tuple[type[Method], dict]] = {
     "tent-come": (Tent, {"loss": "come"}),
     "sar-come": (SAR, {"loss": "come"}),
     "eata-come": (EATA, {"loss": "come"}),
+    # PCSR's authors' earlier methods on SAR's code base
+    "vct": (VCT, {}),  # a per-slot instance token on the class token; predicts after the update
+    "dct": (DCT, {}),  # a generated q/k/v token in blocks 0-8's attention
+    "dpal": (DPAL, {}),  # prompts and per-block noise predictors; predicts at SAM's perturbed weights
+    "zerosiam": (ZeroSiam, {}),  # ICLR 2026: an identity-initialised predictor before the head
+    "rem": (REM, {}),  # ICML 2025, continual: masked views of the least-attended patches, ranked entropies
+    "dpcore": (DPCore, {}),  # ICML 2025, continual: a coreset of domain statistics and prompts; --source-data
 }
 
 
@@ -151,6 +164,6 @@ def _is_number(v) -> bool:
   return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-__all__ = ["AdaContrast", "AdaptState", "CFA", "CMF", "CoTTA", "DDA", "DePTG", "DeYO", "EATA", "FOA", "MEMO",
-           "Method", "PCSR", "Prepared", "REGISTRY", "ROID", "SAR", "SPA", "Source", "T3A", "Tent", "get", "load",
-           "origin", "register"]
+__all__ = ["AdaContrast", "AdaptState", "CFA", "CMF", "CoTTA", "DCT", "DDA", "DePTG", "DeYO", "DPAL", "DPCore",
+           "EATA", "FOA", "MEMO", "Method", "PCSR", "Prepared", "REGISTRY", "REM", "ROID", "SAR", "SPA", "Source", "T3A",
+           "Tent", "VCT", "ZeroSiam", "get", "load", "origin", "register"]

@@ -45,10 +45,10 @@ Departures from the official code, each deliberate:
 * Batches. The official guidance norm spans the per-GPU batch (4 images in ``image_adapt.sh``), which couples
   the images of a batch: each image's step is scaled by ``||diff_b|| / ||diff||``. Here the harness's batch is
   cut into groups of ``group`` images (default 4), run one after the other on a CPU (``lax.map``: each group is
-  one UNet batch) and all at once on a GPU or TPU (``vmap``: one UNet batch of the whole batch, as the official's
-  GPUs run theirs side by side); each group is, under ``guidance='batch'``, one norm, so the coupling matches the official's at the script's batch
-  size whatever the harness's batch size is. ``guidance='image'`` takes one norm per image (no coupling). Padded
-  rows of a ragged last batch stay out of every norm. The images' grouping follows the stream's order (the
+  one UNet batch) and all at once on a GPU or TPU (``vmap``: one UNet batch of the whole batch, as the
+  official's GPUs run theirs side by side); each group is, under ``guidance='batch'``, one norm, so the coupling
+  matches the official's at the script's batch size whatever the harness's batch size is. ``guidance='image'``
+  takes one norm per image (no coupling). Padded rows of a ragged last batch stay out of every norm. The images' grouping follows the stream's order (the
   official's follows its data loader's).
 * Noise comes from JAX keys (the state's rng, split per batch, per group and per step): a run is deterministic
   for a seed. The official sets no seed.

@@ -53,14 +53,12 @@ from typing import ClassVar, Optional
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from pcsr_jax import losses
-from pcsr_jax.methods.base import (AUTHORS_SKIP_BLOCKS, Method, Prepared, is_block_layernorm_param, is_layernorm_param,
-                                   merge, split)
+from pcsr_jax.methods.base import AUTHORS_SKIP_BLOCKS, Method, Prepared, is_block_layernorm_param, is_layernorm_param
+from pcsr_jax.methods.dpal import authors_step
 from pcsr_jax.methods.hyperparameters import field
-from pcsr_jax.methods.optimizers import (RESET_OPTIMIZER, Recovery, group_sgd, parallel, recover, sam_perturb,
-                                         sar_code_lr)
+from pcsr_jax.methods.optimizers import RESET_OPTIMIZER, Recovery, group_sgd, parallel, recover, sar_code_lr
 from pcsr_jax.models import pcsr
 from pcsr_jax.models.vit import init_params
 
@@ -173,46 +171,17 @@ class PCSR(Method):
 
   def update(self, prep, frozen, state, images, valid):
     margin = self.margin(prep.model.config.num_classes)
-    grad_fn = jax.value_and_grad(self._loss, argnums=2, has_aux=True)
-    (loss, (logits, mask, l_ent, l_sim)), grads = grad_fn(prep, frozen, state.trainable, images, valid, margin)
-    metrics = {"loss": loss, "entropy_loss": l_ent, "similarity_loss": l_sim, "num_reliable": jnp.sum(mask)}
-    if self.recipe == "frozen":
-      new = self.apply_gradients(prep, state, grads).replace(step=state.step + 1)
-      if self.reset:
-        new, metrics["reset"] = recover(state, new, l_ent, jnp.any(mask), self.ema_decay, self.reset_constant)
-      return new, logits, metrics
 
-    # 1. The DSN's plain SGD steps on the first-pass loss (DPAL: ad_optimizer.step()).
-    trainable, opt_state = state.trainable, dict(state.opt_state)
-    if "sgd" in prep.parts:
-      trainable, opt_state["sgd"] = _step(prep.parts["sgd"], grads, opt_state["sgd"], trainable)
-    # 2. SAM's first step on its params, with the first-pass gradient (similarity term included).
-    perturbed = sam_perturb(trainable, grads, self.rho, include=self.in_sam)
+    def first(trainable):
+      loss, (logits, mask, l_ent, l_sim) = self._loss(prep, frozen, trainable, images, valid, margin)
+      return loss, (logits, mask, {"entropy_loss": l_ent, "similarity_loss": l_sim})
 
-    # 3. Second forward at the perturbed weights: entropy only, re-filtered among the first mask.
-    other, sam_params = split(perturbed, self.in_sam)
-
-    def second(sam_params):
-      logits2, _ = self.forward(prep, frozen, merge(other, sam_params), images)
-      ent2 = losses.entropy(logits2)
-      mask2 = losses.reliable_mask(ent2, margin, mask)
-      return losses.masked_mean(ent2, mask2), (logits2, mask2)
-
-    (loss2, (logits2, mask2)), g2 = jax.value_and_grad(second, has_aux=True)(sam_params)
-    # 4. SAM's second step: back to the unperturbed weights, SGD step with the second gradient.
-    g2 = merge(jax.tree.map(jnp.zeros_like, other), g2)
-    trainable, opt_state["sam"] = _step(prep.parts["sam"], g2, opt_state["sam"], trainable)
-    new = state.replace(trainable=trainable, opt_state=opt_state, step=state.step + 1)
-    # 5. Recovery: params and the plain SGD's state from the source; SAM's inner momentum survives.
-    on_reset = dict(new.opt_state, **{k: v for k, v in state.extra.source[1].items() if k != "sam"})
-    new, reset = recover(state, new, loss2, jnp.any(mask2), self.ema_decay, self.reset_constant,
-                         self.clear_ema_on_reset, opt_on_reset=on_reset if self.reset_optimizer == "official" else None)
-    metrics.update(loss2=loss2, num_reliable2=jnp.sum(mask2), ema=new.extra.ema, reset=reset,
-                   perturbed_logits=logits2)
+    if self.recipe == "sar":  # DPAL's step
+      return authors_step(self, prep, frozen, state, images, valid, first, self.in_sam, margin)
+    (loss, (logits, mask, metrics)), grads = jax.value_and_grad(first, has_aux=True)(state.trainable)
+    metrics = dict(metrics, loss=loss, num_reliable=jnp.sum(mask))
+    new = self.apply_gradients(prep, state, grads).replace(step=state.step + 1)
+    if self.reset:
+      new, metrics["reset"] = recover(state, new, metrics["entropy_loss"], jnp.any(mask), self.ema_decay,
+                                      self.reset_constant)
     return new, logits, metrics
-
-
-def _step(tx: optax.GradientTransformation, grads, opt_state, params):
-  """One optimizer's step: ``(params, opt_state)``."""
-  updates, opt_state = tx.update(grads, opt_state, params)
-  return optax.apply_updates(params, updates), opt_state

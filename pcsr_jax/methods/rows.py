@@ -74,21 +74,22 @@ def in_row_passes(prep: Prepared, fn: Callable[[Array], Any], images: Array) -> 
   other methods that read more than the logits: SPA, T3A, FOA), so ``--row-chunk`` holds for the whole step
   (`tests/test_engine.py` lowers every method's step to check it). ``fn`` must treat rows independently (a
   ViT does: no batch statistics); if any of its outputs is not per row (leading axis = the pass's rows, e.g.
-  a sown batch statistic), the batch runs in one pass (the passes: dead code).
+  a sown batch statistic), the batch runs in one pass (the passes: dead code). ``images`` may be a pytree of
+  arrays whose leading axis is the batch (VCT's images and per-row tokens): each pass takes the same rows of each.
   """
-  b, r = images.shape[0], prep.row_chunk
+  b, r = jax.tree.leaves(images)[0].shape[0], prep.row_chunk
   n_dev = prep.mesh.devices.size if prep.mesh is not None else 1
   if not splits_into_passes(b, r, n_dev):
     return fn(images)
   n = b // r
   # Pass i takes rows i, i + n, i + 2n, ...: each device's rows (a contiguous block) feed every pass evenly.
-  passes = images.reshape((r, n) + images.shape[1:]).swapaxes(0, 1)
+  passes = jax.tree.map(lambda a: a.reshape((r, n) + a.shape[1:]).swapaxes(0, 1), images)
   # Unrolled, not a `lax.map`: a loop stacks every pass's residuals into one buffer for the backward pass and
   # slices them out again, copies that took a fifth of TENT's non-matmul time at ViT-S/16 batch 64 (`python -m
   # benchmarks.profile_step --arch vit_small_patch16_224 --batch-size 64 --method tent --row-chunk 16`).
   # Unrolled, each pass keeps its own buffers: TENT's step there ran 6% faster (4 alternating runs of each), SAR's
   # 14% (one run of each); their compiles took a third to a half longer (each pass is compiled on its own).
-  outs = [fn(shard_rows(prep, passes[i])) for i in range(n)]
+  outs = [fn(jax.tree.map(lambda a: shard_rows(prep, a[i]), passes)) for i in range(n)]
   out = jax.tree.map(lambda *v: jnp.stack(v), *outs)
   if any(v.ndim < 2 or v.shape[1] != r for v in jax.tree.leaves(out)):
     return fn(images)

@@ -103,10 +103,19 @@ class Attention(nn.Module):
   cpu_ops: bool = True
 
   @nn.compact
-  def __call__(self, x: Array, scale_shift: Optional[tuple[Array, Array]] = None) -> Array:
+  def __call__(self, x: Array, scale_shift: Optional[tuple[Array, Array]] = None, extra_qkv: Optional[Array] = None,
+               cls_attention: bool = False):
+    """The attention's output ``[B, T, D]``. ``extra_qkv`` ``[B, 3D]``: one more token's q, k and v (DCT's
+    generated token), appended after the T tokens and its output row dropped, so only its key and value act.
+    ``cls_attention``: also the class token's attention weights over the T tokens, the heads' mean ``[B, T]``."""
     b, t, d = x.shape
     h = self.num_heads
     qkv = nn.Dense(3 * d, dtype=self.dtype, name="qkv")(x).reshape(b, t, 3, h, d // h)  # timm rows: q | k | v
+    if extra_qkv is not None:
+      if scale_shift is not None:
+        raise UserError("attention: a generated q/k/v token and a scale-shift cannot be combined")
+      qkv = jnp.concatenate([qkv, extra_qkv.astype(qkv.dtype).reshape(b, 1, 3, h, d // h)], axis=1)
+    weights = _cls_weights(qkv[:, :t], d // h) if cls_attention else None
     ss = None
     if scale_shift is not None:
       gamma, beta = scale_shift  # [B, 1 or 3, D]: one factor per channel = per head slice
@@ -129,7 +138,8 @@ class Attention(nn.Module):
       # softmax(q k^T / sqrt(head_dim)) v, as timm (and eq. 7 with d = head dim). Head-major batched
       # matmuls: on XLA:CPU about 1.4x faster than jax.nn.dot_product_attention's [B, T, H, Dh] layout.
       out = softmax_attention(q * (d // h) ** -0.5, k, v, self.cpu_ops).transpose(0, 2, 1, 3)
-    return nn.Dense(d, dtype=self.dtype, name="proj")(out.reshape(b, t, d))
+    out = nn.Dense(d, dtype=self.dtype, name="proj")(out[:, :t].reshape(b, t, d))
+    return (out, weights) if cls_attention else out
 
   def _fused(self, qkv: Array, ss: Optional[tuple[Array, Array]]) -> Optional[Array]:
     """``jax.nn.dot_product_attention`` on ``[B, T, 3, H, Dh]`` (scale-shifted by ``ss``, ``[B, 1 or 3, H, Dh]``
@@ -151,6 +161,14 @@ class Attention(nn.Module):
     _warn_once(f"attention='{self.implementation}' unavailable here ({type(err).__name__}: "
                f"{str(err).splitlines()[0][:120] if str(err) else ''}); using 'matmul'")
     return None
+
+
+def _cls_weights(qkv: Array, head_dim: int) -> Array:
+  """The class token's softmax attention weights over the tokens of ``qkv`` ``[B, T, 3, H, Dh]``, the mean over
+  the heads ``[B, T]`` (float32): timm's ``attn`` row 0, as REM reads the last block's."""
+  q, k = qkv[:, 0, 0].astype(jnp.float32), qkv[:, :, 1].astype(jnp.float32)
+  scores = jnp.einsum("bhd,bthd->bht", q * head_dim ** -0.5, k)
+  return jax.nn.softmax(scores, axis=-1).mean(axis=1)
 
 
 def fused_attention(q: Array, k: Array, v: Array, implementation: str, even_length: bool = False) -> Array:
@@ -196,16 +214,23 @@ class Block(nn.Module):
   dtype: Dtype = None
   attention: str = "matmul"
   cpu_ops: bool = True
+  qkv_generator: Optional[nn.Module] = None  # DCT: the normed class token -> one more token's q, k, v [B, 3D]
 
   @nn.compact
-  def __call__(self, x: Array, return_norm1: bool = False):
-    """The block's output; with ``return_norm1`` also its norm1 output (``[B, T, D]`` each)."""
+  def __call__(self, x: Array, return_norm1: bool = False, cls_attention: bool = False):
+    """The block's output; with ``return_norm1`` also its norm1 output (``[B, T, D]`` each); with
+    ``cls_attention`` also the class token's attention weights (`Attention`)."""
     cf = self.cpu_ops
     h = LayerNorm(epsilon=LN_EPS, dtype=self.dtype, closed_form=cf, name="norm1")(x)  # float32 statistics
     ss = self.recalibrator(x, h) if self.recalibrator is not None else None
-    x = x + Attention(self.dim, self.num_heads, self.dtype, self.attention, cf, name="attn")(h, ss)
+    extra = self.qkv_generator(h[:, 0]) if self.qkv_generator is not None else None
+    a = Attention(self.dim, self.num_heads, self.dtype, self.attention, cf, name="attn")(h, ss, extra, cls_attention)
+    a, weights = a if cls_attention else (a, None)
+    x = x + a
     out = x + Mlp(self.mlp_dim, self.dtype, cf, name="mlp")(LayerNorm(epsilon=LN_EPS, dtype=self.dtype,
                                                                          closed_form=cf, name="norm2")(x))
+    if cls_attention:
+      return out, weights
     return (out, h) if return_norm1 else out
 
 
@@ -238,6 +263,7 @@ class VisionTransformer(nn.Module):
   dtype: Dtype = None  # the backbone's compute dtype (None: float32); params stay float32
   attention: str = "matmul"  # one of ATTENTION_IMPLS; "auto" until `for_platform` resolves it
   cpu_ops: bool = True  # `ops`' hand-written backward passes, for XLA:CPU (`for_platform`)
+  qkv_tokens: Optional[Any] = None  # a `QKVTokens` spec, e.g. dct.DCTConfig
 
   def setup(self):
     c = self.config
@@ -257,8 +283,15 @@ class VisionTransformer(nn.Module):
       self.recal = [self.recalibration.make(self.dtype) for _ in range(n)]
       for j, i in enumerate(layers):
         recals[i] = self.recal[j % n]
+    gens: Sequence[Optional[nn.Module]] = [None] * c.depth
+    if self.qkv_tokens is not None:
+      # Top-level children (``qkv_gen_0`` ...: the j-th generating block's), as the recalibrators.
+      self.qkv_gen = [self.qkv_tokens.make(c.embed_dim, self.dtype) for _ in self.qkv_tokens.blocks]
+      for j, i in enumerate(self.qkv_tokens.blocks):
+        gens[i] = self.qkv_gen[j]
     self.blocks = [Block(c.embed_dim, c.num_heads, c.mlp_dim, recalibrator=recals[i], dtype=self.dtype,
-                         attention=self.attention, cpu_ops=self.cpu_ops) for i in range(c.depth)]
+                         attention=self.attention, cpu_ops=self.cpu_ops, qkv_generator=gens[i])
+                   for i in range(c.depth)]
     # float32 with the head: the logits feed entropies and filters
     self.norm = LayerNorm(epsilon=LN_EPS, closed_form=self.cpu_ops)
     if c.num_classes > 0:
@@ -274,18 +307,25 @@ class VisionTransformer(nn.Module):
     return logits
 
   def __call__(self, x: Array, return_features: bool = False, prompts: Optional[Array] = None,
-               return_cls: bool = False, pre_logits: bool = False):
+               return_cls: bool = False, pre_logits: bool = False, cls_offset: Optional[Array] = None,
+               keep: Optional[Array] = None, cls_attention: bool = False):
     x = self.patch_embed(x)
-    cls = jnp.broadcast_to(self.cls_token, (x.shape[0], 1, x.shape[-1])).astype(x.dtype)
+    cls = jnp.broadcast_to(self.cls_token, (x.shape[0], 1, x.shape[-1]))
+    if cls_offset is not None:  # VCT: a per-sample token added to the class token, before the position
+      cls = cls + cls_offset
     pos = self.pos_embed if self.dtype is None else self.pos_embed.astype(self.dtype)
-    x = jnp.concatenate([cls, x], axis=1) + pos
+    x = jnp.concatenate([cls.astype(x.dtype), x], axis=1) + pos
+    if keep is not None:  # REM: only these patch tokens [B, K] (indices from 0) go on, after the position
+      x = jnp.concatenate([x[:, :1], jnp.take_along_axis(x[:, 1:], keep[..., None], axis=1)], axis=1)
     if prompts is not None:
       prompts = jnp.broadcast_to(prompts.astype(x.dtype), (x.shape[0],) + prompts.shape)
       x = jnp.concatenate([x[:, :1], prompts, x[:, 1:]], axis=1)
     f32 = (lambda a: a) if self.dtype is None else (lambda a: a.astype(jnp.float32))
-    feats, cls_feats = [], []
-    for blk in self.blocks:
-      if return_cls:
+    feats, cls_feats, weights = [], [], None
+    for i, blk in enumerate(self.blocks):
+      if cls_attention and i == len(self.blocks) - 1:
+        x, weights = blk(x, cls_attention=True)
+      elif return_cls:
         out, h = blk(x, return_norm1=True)
         if feats:
           cls_feats.append(f32(h[:, 0]))  # the previous block's class token, normalised by this block's norm1
@@ -298,6 +338,8 @@ class VisionTransformer(nn.Module):
     out = x if pre_logits else self.classify(x)
     if return_cls:
       return out, jnp.stack(cls_feats + [x], axis=1)
+    if cls_attention:
+      return out, weights
     return (out, tuple(feats)) if return_features else out
 
 

@@ -1,0 +1,100 @@
+"""DCT: the generated q/k/v token (its attention against a direct computation, the q third without gradient), the
+adapted set, and agreement with the PyTorch reference written from the official ``yushuntang/DCT`` code
+(``benchmarks/torch_methods/dct.py``) on a plain stream and on one where SAR's reset fires on and off."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import agreement
+from pcsr_jax import engine, methods
+from pcsr_jax.methods.base import AUTHORS_SKIP_BLOCKS, is_block_layernorm_param
+from pcsr_jax.models.vit import Attention
+from test_methods import flat_paths
+from tiny import batches, tiny_model
+
+
+def test_the_generated_token_joins_the_keys_and_values_only():
+  """`Attention` with ``extra_qkv`` equals softmax attention over the T tokens plus one whose k and v are the
+  given ones, for the T queries; the extra query changes nothing."""
+  b, t, d, h = 2, 5, 8, 2
+  rng = np.random.default_rng(0)
+  x, extra = rng.standard_normal((b, t, d)).astype(np.float32), rng.standard_normal((b, 3 * d)).astype(np.float32)
+  attn = Attention(d, h)
+  params = attn.init(jax.random.key(0), x)
+  out = np.asarray(attn.apply(params, x, extra_qkv=extra))
+  other_q = extra.copy()
+  other_q[:, :d] += 5.0
+  np.testing.assert_array_equal(out, np.asarray(attn.apply(params, x, extra_qkv=other_q)))
+  p = params["params"]
+  qkv = (x @ p["qkv"]["kernel"] + p["qkv"]["bias"]).reshape(b, t, 3, h, d // h)
+  q, k, v = (qkv[:, :, i] for i in range(3))
+  e = extra.reshape(b, 1, 3, h, d // h)
+  k, v = np.concatenate([k, e[:, :, 1]], 1), np.concatenate([v, e[:, :, 2]], 1)
+  w = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) * (d // h) ** -0.5, -1)
+  want = jnp.einsum("bhqk,bkhd->bqhd", w, v).reshape(b, t, d) @ p["proj"]["kernel"] + p["proj"]["bias"]
+  np.testing.assert_allclose(out, np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_generators_and_the_authors_layernorms_adapt_and_the_q_third_gets_no_gradient():
+  model, params = tiny_model()
+  ad = engine.Adapter(methods.get("dct", blocks=(0,), skip_blocks=(1,), margin_factor=2.0, lr_generator=0.5),
+                      model, params, batch_size=8, seed=3)
+  state = ad.init_state()
+  norms = {p for p in flat_paths(params) if is_block_layernorm_param(tuple(p.split("/")), (1,))}
+  assert flat_paths(state.trainable) == norms | {"qkv_gen_0/kernel", "qkv_gen_0/bias"}
+  assert methods.get("dct").skip_blocks == AUTHORS_SKIP_BLOCKS
+  d = model.config.embed_dim
+  k0 = np.asarray(state.trainable["qkv_gen_0"]["kernel"])
+  assert k0.shape == (d, 3 * d) and 0 < np.abs(k0).max() <= d ** -0.5  # PyTorch's default Linear init
+  for x in batches(3, 8):
+    state, _, m = ad.step(state, x)
+  assert int(state.resets) == 0 and int(m["num_reliable"]) > 0
+  k = np.asarray(state.trainable["qkv_gen_0"]["kernel"])
+  np.testing.assert_array_equal(k[:, :d], k0[:, :d])  # the query third never moves
+  assert np.abs(k[:, d:] - k0[:, d:]).max() > 1e-4
+  other = engine.Adapter(methods.get("dct"), model, params, batch_size=8, seed=4)
+  assert not np.array_equal(np.asarray(other.init_state().trainable["qkv_gen_0"]["kernel"]),
+                            np.asarray(ad.init_state().trainable["qkv_gen_0"]["kernel"]))  # drawn from the seed
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("case", ["plain", "resets"])
+def test_dct_matches_the_official_style_reference(case):
+  """Same weights, generators and batches: identical predictions (the first forward's) at every step, the same
+  filter counts, EMA and resets, the same adapted LayerNorms and generators."""
+  from benchmarks.torch_reference import make_reference
+  from pcsr_jax import timm_parity
+
+  margin = 0.9
+  hp, steps, seed = {"plain": ({}, 5, 0), "resets": (dict(lr=0.1, lr_generator=1.0, reset_constant=1.5), 10, 1)}[case]
+  sd = agreement.random_model()
+  ad = agreement.adapter("dct", sd, margin_factor=margin, **hp)
+  p = ad.prep.params
+  gens = {i: (np.asarray(p[f"qkv_gen_{i}"]["kernel"]).T, np.asarray(p[f"qkv_gen_{i}"]["bias"])) for i in range(9)}
+  ref = make_reference("dct", timm_parity.timm_model(agreement.CFG, sd), agreement.B,
+                       margin=margin * np.log(agreement.CFG.num_classes), generator_init=gens, lr_norm=hp.get("lr"),
+                       lr_generator=hp.get("lr_generator", 0.01), reset_constant=hp.get("reset_constant", 0.2))
+  state, trace = agreement.run(ad, ref, agreement.stream(steps, seed=seed))
+  counts = [(int(t["num_reliable"]), int(t["num_reliable2"])) for t in trace]
+  resets = [int(t["reset"]) for t in trace]
+  print(f"dct {case}: (filter 1, filter 2) per step {counts}, resets {resets}")
+  assert counts == ref.counts and int(state.resets) == ref.resets == sum(resets)
+  assert any(b < a for a, b in counts)  # the second filter removes samples
+  np.testing.assert_allclose(trace[-1]["ema"], ref.ema, rtol=1e-5)
+  if case == "resets":
+    assert 0 < sum(resets) < steps - 4 and any(a and not b for a, b in zip(resets, resets[1:])), resets
+    assert min(abs(t["ema"] - hp["reset_constant"]) for t in trace) > 3e-3
+
+  def generators(params):
+    out = {}
+    for j in range(9):
+      out[f"blocks.{j}.attn.generator.weight"] = np.asarray(params[f"qkv_gen_{j}"]["kernel"]).T
+      out[f"blocks.{j}.attn.generator.bias"] = np.asarray(params[f"qkv_gen_{j}"]["bias"])
+    return out
+
+  worst, worst_update = agreement.compare(ad, state, ref, generators)
+  print(f"dct {case}: adapted params max rel diff {worst:.2e}; updates max rel diff {worst_update:.2e}")
