@@ -78,3 +78,18 @@ def compare(ad: engine.Adapter, state: Any, ref: Any,
   worst, worst_update, excess = float_checks.compare_updates(mine, src, theirs)
   assert worst < 1e-4 and excess <= 0, (worst, worst_update, excess)
   return worst, worst_update
+
+
+def check_sar_stream(name: str, trace: list[dict], ref: Any, state: Any, threshold: Optional[float]) -> None:
+  """The checks of a SAR-based method's stream (VCT, DCT, DPAL): the same filter counts, resets and EMA as the
+  reference, a second filter that removes samples; with a reset ``threshold``, resets on some steps and not
+  others (adaptation resumes after one) and every EMA value 3e-3 or more from it (no reset by float noise)."""
+  counts = [(int(t["num_reliable"]), int(t["num_reliable2"])) for t in trace]
+  resets = [int(t["reset"]) for t in trace]
+  print(f"{name}: (filter 1, filter 2) per step {counts}, resets {resets}")
+  assert counts == ref.counts and int(state.resets) == ref.resets == sum(resets)
+  assert any(b < a for a, b in counts)  # the second filter removes samples
+  np.testing.assert_allclose(trace[-1]["ema"], ref.ema, rtol=1e-5)
+  if threshold is not None:
+    assert 0 < sum(resets) < len(trace) - 4 and any(a and not b for a, b in zip(resets, resets[1:])), resets
+    assert min(abs(t["ema"] - threshold) for t in trace) > 3e-3

@@ -79,15 +79,7 @@ def test_dct_matches_the_official_style_reference(case):
                        margin=margin * np.log(agreement.CFG.num_classes), generator_init=gens, lr_norm=hp.get("lr"),
                        lr_generator=hp.get("lr_generator", 0.01), reset_constant=hp.get("reset_constant", 0.2))
   state, trace = agreement.run(ad, ref, agreement.stream(steps, seed=seed))
-  counts = [(int(t["num_reliable"]), int(t["num_reliable2"])) for t in trace]
-  resets = [int(t["reset"]) for t in trace]
-  print(f"dct {case}: (filter 1, filter 2) per step {counts}, resets {resets}")
-  assert counts == ref.counts and int(state.resets) == ref.resets == sum(resets)
-  assert any(b < a for a, b in counts)  # the second filter removes samples
-  np.testing.assert_allclose(trace[-1]["ema"], ref.ema, rtol=1e-5)
-  if case == "resets":
-    assert 0 < sum(resets) < steps - 4 and any(a and not b for a, b in zip(resets, resets[1:])), resets
-    assert min(abs(t["ema"] - hp["reset_constant"]) for t in trace) > 3e-3
+  agreement.check_sar_stream(f"dct {case}", trace, ref, state, hp.get("reset_constant") if case == "resets" else None)
 
   def generators(params):
     out = {}

@@ -30,11 +30,11 @@ from typing import ClassVar, Optional
 import jax
 import jax.numpy as jnp
 
-from pcsr_jax import losses
-from pcsr_jax.methods.base import SAR_SKIP_BLOCKS, Method, Prepared, is_block_layernorm_param, merge
+from pcsr_jax.methods.base import Prepared, is_block_layernorm_param, merge
 from pcsr_jax.methods.hyperparameters import field
-from pcsr_jax.methods.optimizers import RESET_OPTIMIZER, Recovery, group_sgd, recover, sam_perturb, sar_code_lr
+from pcsr_jax.methods.optimizers import group_sgd, sar_code_lr
 from pcsr_jax.methods.rows import in_row_passes
+from pcsr_jax.methods.sar import SAR
 
 Array = jax.Array
 
@@ -47,23 +47,17 @@ def param_group(path) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class VCT(Method):
+class VCT(SAR):
+  """SAR's step (`SAR.update`) on the model with the instance token, then the third forward and the zeroing."""
+
   name: ClassVar[str] = "vct"
   cost: ClassVar[str] = "3F+2B"
   default_eval_order: ClassVar[str] = "after"
-  eval_orders: ClassVar[tuple[str, ...]] = ("before", "after", "perturbed")
   lr: Optional[float] = field(None, "> 0")  # the LayerNorms': None is 0.001 * B / 64, doubled at B = 1
   lr_cls: float = field(0.005, ">= 0")
   lr_token: float = field(0.01, ">= 0")
-  momentum: float = field(0.9, "[0, 1)")
-  rho: float = field(0.05, ">= 0")
-  reset_constant: float = field(0.2, ">= 0")
-  ema_decay: float = field(0.9, "[0, 1]")
-  skip_blocks: tuple[int, ...] = field(SAR_SKIP_BLOCKS, ">= 0")
-  # "official": SAM's inner momentum survives a reset; "all": cleared too
-  reset_optimizer: str = field("official", RESET_OPTIMIZER)
 
-  def is_trainable(self, path) -> bool:
+  def trainable(self, path) -> bool:
     return path[0] in (INSTANCE, "cls_token") or is_block_layernorm_param(path, self.skip_blocks)
 
   def prepare(self, model, params, rng, batch_size):
@@ -71,10 +65,7 @@ class VCT(Method):
     full = dict(params)
     full[INSTANCE] = {"token": jnp.zeros((batch_size, 1, model.config.embed_dim), jnp.float32)}
     tx = group_sgd({"norm": lr, "cls": self.lr_cls, "instance": self.lr_token}, self.momentum, param_group, GROUPS)
-    return Prepared(model, full, is_trainable=self.is_trainable, tx=tx)
-
-  def init_extra(self, prep, trainable, opt_state):
-    return Recovery.init(trainable, opt_state)
+    return Prepared(model, full, is_trainable=self.trainable, tx=tx)
 
   @staticmethod
   def forward(prep, frozen, trainable, images, collect=()):
@@ -87,31 +78,8 @@ class VCT(Method):
     return in_row_passes(prep, apply, (images, token)), {}
 
   def update(self, prep, frozen, state, images, valid):
-    margin = self.margin(prep.model.config.num_classes)
-
-    def first(trainable):
-      logits, _ = self.forward(prep, frozen, trainable, images)
-      ent = losses.entropy(logits)
-      mask1 = losses.reliable_mask(ent, margin, valid)
-      return losses.masked_mean(ent, mask1), (logits, mask1)
-
-    (loss1, (logits, mask1)), g1 = jax.value_and_grad(first, has_aux=True)(state.trainable)
-    perturbed = sam_perturb(state.trainable, g1, self.rho)
-
-    def second(trainable):
-      logits2, _ = self.forward(prep, frozen, trainable, images)
-      ent2 = losses.entropy(logits2)
-      mask2 = losses.reliable_mask(ent2, margin, mask1)
-      return losses.masked_mean(ent2, mask2), (logits2, mask2)
-
-    (loss2, (logits2, mask2)), g2 = jax.value_and_grad(second, has_aux=True)(perturbed)
-    new = self.apply_gradients(prep, state, g2)
-    state, reset = recover(state, new.replace(step=state.step + 1), loss2, jnp.any(mask2), self.ema_decay,
-                           self.reset_constant, opt_on_reset=new.opt_state if self.reset_optimizer == "official"
-                           else None)
+    state, logits, metrics = super().update(prep, frozen, state, images, valid)
     after, _ = self.forward(prep, frozen, state.trainable, images)  # vct.py:50, the reported prediction
     trainable = dict(state.trainable)
     trainable[INSTANCE] = {"token": jnp.zeros_like(trainable[INSTANCE]["token"])}  # its momentum stays
-    metrics = {"loss": loss1, "loss2": loss2, "num_reliable": jnp.sum(mask1), "num_reliable2": jnp.sum(mask2),
-               "ema": state.extra.ema, "reset": reset, "perturbed_logits": logits2, "after_logits": after}
-    return state.replace(trainable=trainable), logits, metrics
+    return state.replace(trainable=trainable), logits, dict(metrics, after_logits=after)
