@@ -158,7 +158,7 @@ def lineage_args(method: str, arch: str) -> dict[str, Any]:
 
   import numpy as np
 
-  from pcsr_jax.models import get_config
+  from pcsr_jax.models import get_config, vit
 
   c = get_config(arch)
   rng = np.random.default_rng(SEED)
@@ -168,7 +168,7 @@ def lineage_args(method: str, arch: str) -> dict[str, Any]:
     u = lambda *shape: rng.uniform(-d ** -0.5, d ** -0.5, shape).astype(np.float32)
     kw["generator_init"] = {i: (u(3 * d, d), u(3 * d)) for i in range(min(9, c.depth))}
   if method == "dpal":
-    bound = math.sqrt(6.0 / (3 * c.patch_size ** 2 + d))
+    bound = vit.vpt_bound(c)
     u = lambda *shape: rng.uniform(-bound, bound, shape).astype(np.float32)
     kw["prompt_init"] = {"prompt_embeddings": u(1, 1, d), "deep_prompt_embeddings": u(c.depth - 1, 1, d)}
   return kw

@@ -126,6 +126,38 @@ class SAM(torch.optim.Optimizer):
     self.base_optimizer.param_groups = self.param_groups
 
 
+class SARStep:
+  """SAR's step as the SAR-based official codes write it (VCT's ``forward_and_adapt_vct``, DCT's
+  ``forward_and_adapt_dct``, each a copy of SAR's ``forward_and_adapt_sar`` with the reset of its ``forward``),
+  for a reference that holds ``model``, ``opt`` (a `SAM`), ``margin``, ``reset_constant``, ``model_state`` and
+  ``opt_state`` (the copies taken at construction), ``ema``, ``resets`` and ``counts``. The EMA weight is the
+  codes' ``(1 - 0.9)``; the reset reloads both state dicts (SAM's keeps the inner momentum) and keeps the EMA."""
+
+  def _sar_step(self, x: torch.Tensor) -> torch.Tensor:
+    """The two passes, SAM's two steps, the EMA and the reset; returns the first forward's logits."""
+    with torch.enable_grad():
+      self.opt.zero_grad()
+      out = self.model(x)
+      ent = softmax_entropy(out)
+      mask1 = ent < self.margin
+      masked_mean(ent, mask1).backward()
+      self.opt.first_step()  # zero_grad=True
+      ent2 = softmax_entropy(self.model(x))[mask1]
+      mask2 = ent2 < self.margin
+      loss2 = masked_mean(ent2, mask2)
+      self.counts.append((int(mask1.sum()), int(mask2.sum())))
+      if bool(mask2.any()):  # a NaN loss (empty second filter) leaves the ema alone
+        v = float(loss2.item())
+        self.ema = v if self.ema is None else 0.9 * self.ema + (1 - 0.9) * v
+      loss2.backward()
+      self.opt.second_step()  # zero_grad=True
+    if self.ema is not None and self.ema < self.reset_constant:
+      self.model.load_state_dict(self.model_state, strict=True)
+      self.opt.load_state_dict(copy.deepcopy(self.opt_state))
+      self.resets += 1  # the ema is kept: the codes write it back after reset() cleared it
+    return out.detach()
+
+
 def sar_layernorms(model: nn.Module, skip=("blocks.9.", "blocks.10.", "blocks.11.")) -> list[nn.Parameter]:
   """SAR's adapted params: weight and bias of every LayerNorm but blocks 9-11's and the final norm."""
   return [p for nm, m in model.named_modules() if isinstance(m, nn.LayerNorm) and nm != "norm"

@@ -13,7 +13,7 @@ from pcsr_jax.errors import UserError
 from pcsr_jax.methods.deyo import patch_permutations, shuffle_patches
 from pcsr_jax.models import create
 from test_methods import flat_paths
-from tiny import batches, tiny_model
+from tiny import adapted_at_batch_one, batches, tiny_model
 
 
 def test_shuffle_permutes_patches_per_sample_deterministically():
@@ -108,18 +108,9 @@ def test_a_resumed_run_draws_the_same_permutations():
 
 
 def test_lr_doubles_at_batch_size_one():
-  model, params = tiny_model()
-
-  def adapted(**lr):
-    ad = engine.Adapter(methods.get("deyo", skip_blocks=(), ent_factor=2.0, plpd_threshold=-1.0, **lr), model,
-                        params, batch_size=1)
-    state = ad.init_state()
-    for x in batches(2, 1):
-      state, _, _ = ad.step(state, x)
-    return jax.tree.leaves(state.trainable)
-
-  for a, b in zip(adapted(), adapted(lr=2 * 0.001 / 64)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  hp = {"skip_blocks": (), "ent_factor": 2.0, "plpd_threshold": -1.0}
+  for a, b in zip(adapted_at_batch_one("deyo", **hp), adapted_at_batch_one("deyo", **hp, lr=2 * 0.001 / 64)):
+    np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.torch

@@ -12,7 +12,7 @@ from pcsr_jax import engine, losses, methods
 from pcsr_jax.methods.base import is_layernorm_param
 from pcsr_jax.methods.zerosiam import PREDICTOR, symmetric_kl
 from test_methods import flat_paths
-from tiny import batches, tiny_model
+from tiny import adapted_at_batch_one, batches, tiny_model
 
 
 def test_every_layernorm_and_the_identity_predictor_adapt():
@@ -46,17 +46,9 @@ def test_symmetric_kl_is_both_directions():
 
 
 def test_lr_doubles_at_batch_size_one():
-  model, params = tiny_model()
-
-  def adapted(**lr):
-    ad = engine.Adapter(methods.get("zerosiam", **lr), model, params, batch_size=1)
-    state = ad.init_state()
-    for x in batches(2, 1):
-      state, _, _ = ad.step(state, x)
-    return jax.tree.leaves(state.trainable)
-
-  for a, b in zip(adapted(), adapted(lr=2 * 0.001 / 64)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  for a, b in zip(adapted_at_batch_one("zerosiam"),
+                  adapted_at_batch_one("zerosiam", lr=2 * 0.001 / 64)):
+    np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.torch

@@ -117,3 +117,16 @@ def required_args(name: str, model, params) -> dict:
   if digest not in _PROMPT_DIRS:
     _PROMPT_DIRS[digest] = dept_prompts(model, params, tempfile.mkdtemp(prefix="dept_prompts_"))
   return {"prompts": _PROMPT_DIRS[digest]}
+
+
+def adapted_at_batch_one(name: str, **hp) -> list:
+  """The trainable leaves after two steps at batch size 1 of ``name`` with ``hp`` (the lr-doubling tests:
+  ``lr=None`` against twice the B = 1 lr must give the same leaves)."""
+  from pcsr_jax import engine, methods
+
+  model, params = tiny_model()
+  ad = engine.Adapter(methods.get(name, **hp), model, params, batch_size=1)
+  state = ad.init_state()
+  for x in batches(2, 1):
+    state, _, _ = ad.step(state, x)
+  return [np.asarray(v) for v in jax.tree.leaves(state.trainable)]

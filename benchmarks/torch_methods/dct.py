@@ -89,7 +89,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from benchmarks.torch_reference import SAM, masked_mean, sar_layernorms, softmax_entropy
+from benchmarks.torch_reference import SAM, SARStep, sar_layernorms
 
 
 class DCTAttention(nn.Module):
@@ -124,7 +124,7 @@ class DCTAttention(nn.Module):
     return self.proj(out)  # :25
 
 
-class Reference:
+class Reference(SARStep):
   """DCT on a timm ViT: the domain-conditioned attention in ``blocks``, then SAR's step on the LayerNorms of
   blocks 0-8 and the generators, the prediction from the first forward."""
 
@@ -176,27 +176,7 @@ class Reference:
   def step(self, x: torch.Tensor) -> torch.Tensor:
     """``forward_and_adapt_dct`` (dct.py:70-111) and the reset of ``DCT.forward`` (dct.py:48-52); returns forward
     1's logits, the official prediction."""
-    with torch.enable_grad():
-      self.opt.zero_grad()
-      out = self.model(x)
-      ent = softmax_entropy(out)
-      mask1 = ent < self.margin
-      masked_mean(ent, mask1).backward()
-      self.opt.first_step()  # zero_grad=True
-      ent2 = softmax_entropy(self.model(x))[mask1]
-      mask2 = ent2 < self.margin
-      loss2 = masked_mean(ent2, mask2)
-      self.counts.append((int(mask1.sum()), int(mask2.sum())))
-      if bool(mask2.any()):  # dct.py:97: a NaN loss (empty second filter) leaves the ema alone
-        v = float(loss2.item())
-        self.ema = v if self.ema is None else 0.9 * self.ema + (1 - 0.9) * v
-      loss2.backward()
-      self.opt.second_step()  # zero_grad=True
-    if self.ema is not None and self.ema < self.reset_constant:
-      self.model.load_state_dict(self.model_state, strict=True)
-      self.opt.load_state_dict(copy.deepcopy(self.opt_state))
-      self.resets += 1  # the ema is kept (dct.py:52 writes it back after reset() cleared it)
-    return out.detach()
+    return self._sar_step(x)
 
   def adapted_state(self) -> dict[str, np.ndarray]:
     """Every adapted tensor by name: timm's for the LayerNorms (``blocks.0.norm1.weight`` ...) and

@@ -60,7 +60,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from benchmarks.torch_reference import SAM, masked_mean, sar_layernorms, softmax_entropy
+from benchmarks.torch_reference import SAM, SARStep, sar_layernorms
 
 
 class VCTViT(nn.Module):
@@ -86,7 +86,7 @@ class VCTViT(nn.Module):
     return v.forward_head(x)  # token pool, fc_norm (Identity), head
 
 
-class Reference:
+class Reference(SARStep):
   """VCT on a timm ViT: SAR's step on the cls token, the per-slot instance token and LayerNorms 0-8, then the
   prediction from a third forward, then the instance token zeroed."""
 
@@ -113,8 +113,7 @@ class Reference:
     self.opt_state = copy.deepcopy(self.opt.state_dict())
 
   def step(self, x: torch.Tensor) -> torch.Tensor:
-    with torch.enable_grad():
-      self._adapt(x)
+    self._sar_step(x)  # forward_and_adapt_vct (vct.py:77-106) and the reset of VCT.forward (vct.py:47-49)
     with torch.no_grad():
       logits = self.model(x)  # vct.py:50, the reported prediction
       token = self.model.instance_token
@@ -123,27 +122,6 @@ class Reference:
         token.grad.zero_()
       token.zero_()
     return logits.detach()
-
-  def _adapt(self, x: torch.Tensor) -> None:
-    """``forward_and_adapt_vct`` (vct.py:77-106) and the reset of ``VCT.forward`` (vct.py:47-49)."""
-    self.opt.zero_grad()
-    ent = softmax_entropy(self.model(x))
-    mask1 = ent < self.margin
-    masked_mean(ent, mask1).backward()
-    self.opt.first_step()  # zero_grad=True
-    ent2 = softmax_entropy(self.model(x))[mask1]
-    mask2 = ent2 < self.margin
-    loss2 = masked_mean(ent2, mask2)
-    self.counts.append((int(mask1.sum()), int(mask2.sum())))
-    if bool(mask2.any()):  # vct.py:94: a NaN loss (empty second filter) leaves the ema alone
-      v = float(loss2.item())
-      self.ema = v if self.ema is None else 0.9 * self.ema + (1 - 0.9) * v
-    loss2.backward()
-    self.opt.second_step()  # zero_grad=True
-    if self.ema is not None and self.ema < self.reset_constant:
-      self.model.load_state_dict(self.model_state, strict=True)
-      self.opt.load_state_dict(copy.deepcopy(self.opt_state))
-      self.resets += 1  # the ema is kept (vct.py:48-49 writes it back after reset() cleared it)
 
   def adapted_state(self) -> dict[str, np.ndarray]:
     """Every adapted tensor: ``cls_token`` [1,1,D], ``instance_token`` [B,1,D] (zero after each step, as the

@@ -47,6 +47,7 @@ from pcsr_jax.errors import UserError
 from pcsr_jax.methods.base import Method, Prepared, image_shape, merge
 from pcsr_jax.methods.hyperparameters import field
 from pcsr_jax.methods.rows import in_row_passes
+from pcsr_jax.models import vit
 
 Array = jax.Array
 PROMPTS = "dpcore_prompts"  # {"tokens": [P, D]}: the prompts the last step left
@@ -97,9 +98,7 @@ class DPCore(Method):
     return path[0] == PROMPTS
 
   def initial_prompts(self, model) -> Array:
-    c = model.config
-    bound = math.sqrt(6.0 / (c.in_chans * c.patch_size ** 2 + c.embed_dim))  # vpt.py:22-26
-    return jax.random.uniform(jax.random.key(self.seed), (self.num_prompts, c.embed_dim), jnp.float32, -bound, bound)
+    return vit.vpt_prompts(model.config, self.num_prompts, self.seed)  # vpt.py:22-26
 
   def threshold(self, num_classes: int) -> float:
     t = self.source_margin if self.source_margin is not None else math.log(num_classes) / 2 - 1
@@ -122,10 +121,6 @@ class DPCore(Method):
     return Coreset(means=jnp.zeros((k, c.embed_dim)), stds=jnp.zeros((k, c.embed_dim)),
                    prompts=jnp.zeros((k,) + p.shape), count=jnp.zeros((), jnp.int32), initial=p)
 
-  @staticmethod
-  def _backbone(frozen: Any) -> Any:
-    return {k: v for k, v in frozen.items() if k != PROMPTS}
-
   def features(self, prep: Prepared, backbone: Any, images: Array, prompts: Optional[Array]) -> tuple[Array, Array]:
     """``(final-norm class token [B, D], logits)`` with ``prompts`` [P, D] after the class token (None: none)."""
     def apply(x):
@@ -144,7 +139,7 @@ class DPCore(Method):
     return in_row_passes(prep, lambda x: prep.model.apply({"params": params}, x, prompts=prompts), images), {}
 
   def update(self, prep, frozen, state, images, valid):
-    backbone, core = self._backbone(frozen), state.extra
+    backbone, core = frozen, state.extra  # the prompts are the only trainable params
     tx = optax.adamw(self.lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=self.weight_decay)
 
     def loss_and_aux(p):
@@ -203,8 +198,7 @@ class DPCore(Method):
                            batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
     """``obtain_src_stat``: the unprompted class-token features of the first `source_kept` images whose prompted
     entropy (initial prompts) is below the threshold; their mean and unbiased std."""
-    backbone = self._backbone(frozen)
-    prompts = trainable[PROMPTS]["tokens"]
+    backbone, prompts = frozen, trainable[PROMPTS]["tokens"]
     threshold = self.threshold(prep.model.config.num_classes)
 
     @jax.jit
@@ -213,12 +207,13 @@ class DPCore(Method):
       _, logits = self.features(prep, backbone, x, prompts)
       return raw, losses.entropy(logits)
 
-    kept, seen = [], 0
+    kept, seen, n = [], 0, 0
     for images, _ in batches:
       raw, ent = (np.asarray(a) for a in both(images))
       seen += len(raw)
       kept.append(raw[ent < threshold])
-      if sum(len(k) for k in kept) >= self.source_kept:
+      n += len(kept[-1])
+      if n >= self.source_kept:
         break
     f = np.concatenate(kept)[:self.source_kept].astype(np.float64)
     if len(f) < self.source_kept:
@@ -228,6 +223,5 @@ class DPCore(Method):
     return {"mean": f.mean(0).astype(np.float32), "std": f.std(0, ddof=1).astype(np.float32)}
 
   def source_stats_shapes(self, prep: Prepared, frozen: Any, trainable: Any) -> dict[str, jax.ShapeDtypeStruct]:
-    backbone = self._backbone(frozen)
-    d = jax.eval_shape(lambda x: self.features(prep, backbone, x, None)[0], image_shape(prep.model)).shape[-1]
+    d = jax.eval_shape(lambda x: self.features(prep, frozen, x, None)[0], image_shape(prep.model)).shape[-1]
     return {k: jax.ShapeDtypeStruct((d,), np.float32) for k in ("mean", "std")}

@@ -33,7 +33,6 @@ prompts, where the official re-draws them from torch's global stream at each ``r
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, ClassVar, Iterator
 
 import flax
@@ -48,6 +47,7 @@ from pcsr_jax.errors import UserError
 from pcsr_jax.methods.base import Method, Prepared, image_shape, merge
 from pcsr_jax.methods.hyperparameters import field
 from pcsr_jax.methods.rows import in_row_passes
+from pcsr_jax.models import vit
 
 Array = jax.Array
 
@@ -96,10 +96,7 @@ class FOA(Method):
 
   def initial_prompts(self, model) -> Array:
     """VPT's Xavier-uniform init of the ``[P, D]`` prompts (``models/vpt.py``)."""
-    c = model.config
-    bound = math.sqrt(6.0 / (c.in_chans * c.patch_size**2 + c.embed_dim))
-    return jax.random.uniform(jax.random.key(self.seed), (self.num_prompts, c.embed_dim), jnp.float32,
-                              -bound, bound)
+    return vit.vpt_prompts(model.config, self.num_prompts, self.seed)
 
   def init_extra(self, prep, trainable, opt_state):
     es = self.cma(prep.model)

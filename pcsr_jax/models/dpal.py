@@ -17,7 +17,6 @@ layer's noise rows are equal once it moved (`methods.dpal` on the similarity ter
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import flax.linen as nn
@@ -25,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from pcsr_jax.models.ops import gelu
-from pcsr_jax.models.vit import VisionTransformer, init_params
+from pcsr_jax.models.vit import VisionTransformer, init_params, vpt_bound
 
 Array = jax.Array
 
@@ -55,7 +54,7 @@ class DPALViT(VisionTransformer):
   def setup(self):
     super().setup()
     c = self.config
-    bound = math.sqrt(6.0 / float(3 * c.patch_size ** 2 + c.embed_dim))  # dpal_transformer.py:19-22
+    bound = vpt_bound(c)  # dpal_transformer.py:19-22 (its val, with 3 channels)
     self.dpal_prompt = self.param(PROMPT, _uniform(bound), (1, 1, c.embed_dim))
     self.dpal_deep_prompts = self.param(DEEP, _uniform(bound), (c.depth - 1, 1, c.embed_dim))
     self.dpal_pred = [Predictor(c.embed_dim, self.cpu_ops) for _ in range(c.depth)]

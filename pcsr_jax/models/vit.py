@@ -41,6 +41,7 @@ exactly what timm's does.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Callable, Optional, Protocol, Sequence
 
@@ -376,6 +377,18 @@ def features_and_logits(model: VisionTransformer, params: Any, images: Array) ->
   ``forward_head(pre_logits=True)``), on which CFA, AdaContrast and T3A build, and the logits from it."""
   z = model.apply({"params": params}, images, pre_logits=True)
   return z, model.apply({"params": params}, z, method="classify")
+
+
+def vpt_bound(config: ViTConfig) -> float:
+  """VPT's Xavier-uniform bound for prompt tokens, ``sqrt(6 / (C p^2 + D))`` (0.0625 for ViT-B/16): FOA's
+  ``models/vpt.py``, DPCore's ``vpt.py`` and DPAL's prompts (its ``val``) draw from ``U(+-bound)``."""
+  return math.sqrt(6.0 / (config.in_chans * config.patch_size ** 2 + config.embed_dim))
+
+
+def vpt_prompts(config: ViTConfig, num_prompts: int, seed: int) -> Array:
+  """``[num_prompts, D]`` prompts drawn from ``U(+-vpt_bound)`` with the key of ``seed``."""
+  b = vpt_bound(config)
+  return jax.random.uniform(jax.random.key(seed), (num_prompts, config.embed_dim), jnp.float32, -b, b)
 
 
 def compute_dtype(name: str) -> Dtype:
