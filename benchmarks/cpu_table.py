@@ -50,9 +50,12 @@ COLUMNS = {
 
 # Rows in the table's order, each method's step cost class: how many steps a slice can afford.
 METHODS = ("source", "t3a", "tent", "eta", "eata", "deyo", "cfa", "sar", "pcsr", "pcsr-frozen", "roid", "cmf",
-           "spa", "adacontrast", "dept-g", "foa", "cotta", "dda", "memo", "vct", "dct", "dpal", "zerosiam", "rem")
+           "spa", "adacontrast", "dept-g", "foa", "cotta", "dda", "memo", "vct", "dct", "dpal", "zerosiam", "rem",
+           "dpcore", "tent-come", "eata-come", "sar-come")
 FAST = ("source", "t3a", "eta", "eata", "deyo")  # one forward (ETA, EATA, DeYO filter random images out)
-SLOW = ("spa", "adacontrast", "dept-g", "vct", "rem")  # 3 to 5 forwards and a backward or two
+SLOW = ("spa", "adacontrast", "dept-g", "vct", "rem", "dpcore")  # 3 to 5 forwards and a backward or two
+# DPCore's warm-up step takes its new-domain branch (50 steps of the known one's); the timed steps the known
+# branch (2F+1B), on both sides (`method_args.DPCORE`).
 HEAVY = ("foa", "cotta", "dda", "memo")  # tens of forwards (FOA, CoTTA), a diffusion (DDA), 64 views (MEMO)
 # (column, method) cells whose two workers do not fit in 24 GiB together: rounds, one worker at a time.
 ONE_AT_A_TIME = {("vit_b16_b64", m) for m in ("spa", "adacontrast", "pcsr", "pcsr-frozen", "cotta")} | {

@@ -13,8 +13,9 @@ guided-diffusion UNet (`BENCH_UNET`: the built-in benchmark's config, 32 px, 1.4
 (N 50 of the "100" respacing). The references of PCSR's authors' earlier methods (VCT, DCT, DPAL) take the
 threshold E0 and the initial values of their random modules (DCT's generators, DPAL's prompts), which the JAX
 side draws from its own seed: `lineage_args` draws them from the same distributions (a step's speed depends
-only on their shapes). DPCore's source filter keeps every benchmark image (`DPCORE`). Every other method needs
-nothing.
+only on their shapes). DPCore's source filter keeps every benchmark image, every batch after its first takes the
+known-domain branch (`DPCORE`), and its reference starts from the JAX side's own prompts (`dpcore_args`). Every other
+method needs nothing.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def torch_args(method: str, arch: str) -> dict[str, Any]:
   if method in LINEAGE:
     return lineage_args(method, arch)
   if method == "dpcore":
-    return dict(source_threshold=DPCORE["source_margin"], num_samples=DPCORE["source_kept"])
+    return dpcore_args(arch)
   if method not in ("dept-g", "dda"):
     return {}
   import jax
@@ -147,8 +148,25 @@ def torch_unet():
 
 LINEAGE = ("vct", "dct", "dpal")
 # DPCore's source statistics keep the source images whose prompted entropy is below ln(C) / 2 - 1, which random
-# weights never reach: the benchmarks keep every one (a step's cost does not depend on which passed).
-DPCORE = {"source_margin": 1e6, "source_kept": 2}
+# weights never reach: the benchmarks keep every one (a step's cost does not depend on which passed). Its branch
+# test (the coreset prompt's loss below thr_rho x the unprompted one) decides between a 1-step and a 50-step
+# branch, and on the benchmarks' one repeated batch it alternates (new, known, new, known, ...): thr_rho 1e6
+# makes every batch after the first known on both sides, so that both time the known step alone.
+DPCORE = {"source_margin": 1e6, "source_kept": 2, "thr_rho": 1e6}
+
+
+def dpcore_args(arch: str) -> dict[str, Any]:
+  """DPCore's reference arguments on ``arch``: `DPCORE`'s, and the JAX side's own initial prompts (`DPCore`'s
+  default ``num_prompts`` and ``seed``), so that both sides adapt the very same prompts."""
+  import numpy as np
+
+  from pcsr_jax import methods
+  from pcsr_jax.models import get_config, vit
+
+  m = methods.get("dpcore")
+  prompts = np.asarray(vit.vpt_prompts(get_config(arch), m.num_prompts, m.seed))  # `DPCore.initial_prompts`
+  return dict(source_threshold=DPCORE["source_margin"], num_samples=DPCORE["source_kept"],
+              thr_rho=DPCORE["thr_rho"], prompt_init=prompts, num_prompts=m.num_prompts)
 
 
 def lineage_args(method: str, arch: str) -> dict[str, Any]:

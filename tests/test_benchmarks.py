@@ -486,3 +486,37 @@ def test_cpu_table_runs_each_cell_once_keeps_its_output_and_renders_the_paired_r
   assert last == f"| dept-g | 5F+1B | {res['paired_ratio_median']:.2f} | ? |"
   with pytest.raises(UserError, match=r"--columns 'vit_s16_b16,nope': expected a comma-separated list of"):
     cpu_table.main(["--out", out, "--columns", "vit_s16_b16,nope", "--render"])
+
+
+@pytest.mark.torch
+def test_dpcore_benchmark_args_send_both_frameworks_down_the_same_branches():
+  """The benchmarks time DPCore's known branch on both sides: with `method_args.DPCORE` every random source image
+  passes the filter and every batch after the first is known (on this repeated batch the code's own threshold
+  alternates the branches), and both sides start from the same prompts and reach the same loss."""
+  from benchmarks import method_args
+  from benchmarks.step_throughput import jax_inputs, torch_inputs
+  from benchmarks.torch_reference import make_reference
+  from pcsr_jax import engine, methods
+  from pcsr_jax.methods.base import split
+  from pcsr_jax.methods.dpcore import PROMPTS
+
+  arch, b = "vit_tiny_patch32_224", 4
+  model, params, x = jax_inputs(arch, b)
+  method = methods.get("dpcore", **method_args.jax_args("dpcore", model, params), steps_new=2)
+  prep = method.prepare(model, params, None, b)
+  frozen, trainable = split(prep.params, prep.is_trainable)
+  stats = method.compute_source_stats(prep, frozen, trainable, iter([(x, np.zeros(b, np.int32))] * 2))
+  ad = engine.Adapter(method, model, params, batch_size=b, source_stats=stats)
+  state, known = ad.init_state(), []
+  for _ in range(3):
+    state, _, m = ad.step(state, x)
+    known.append(bool(m["known"]))
+  tmodel, tx = torch_inputs(arch, b)
+  ref = make_reference("dpcore", tmodel, b, source_batches=[tx] * 2, steps_new=2,
+                       **method_args.torch_args("dpcore", arch))
+  for _ in range(3):
+    ref.step(tx)
+  assert known == [False, True, True] and ref.branches == ["new", "known", "known"]
+  assert method_args.DPCORE["thr_rho"] == ref.thr_rho == method.thr_rho
+  np.testing.assert_allclose(ref.prompt_init[0].numpy(), np.asarray(ad.prep.params[PROMPTS]["tokens"]), rtol=0)
+  np.testing.assert_allclose(float(m["loss_prompted"]), ref.losses[-1][1], rtol=1e-4)

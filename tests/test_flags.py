@@ -194,8 +194,11 @@ def cases(world, command: str, mode: str) -> list[tuple[list[str], object]]:
     c += [(["--setting", "label_shifts", "--label-shift-indices", str(world / "indices.npy")],
            {"label_shift_indices": str(world / "indices.npy")}),
           (["--label-shift-indices", "x.npy"], r"^--label-shift-indices: for --setting label_shifts")]
-  if command == "imagenet_c":  # its built-in benchmark's flags, and VisDA
-    c += [(["--images", "32"], r"^--images: the built-in benchmark's \(no --data or --clean-data\); --limit caps"),
+  if command == "imagenet_c":  # its built-in benchmark's flags, VisDA, and the continual preset's source data
+    c += [(["--preset", "continual"], r"^--source-data: dpcore needs clean source data"),
+          (["--preset", "continual", "--source-data", str(world / "data")],
+           {"methods": lambda v: {"rem", "dpcore", "cotta"} <= set(v), "setting": "continual"}),
+          (["--images", "32"], r"^--images: the built-in benchmark's \(no --data or --clean-data\); --limit caps"),
           (["--full"], r"^--full: the built-in benchmark's"),
           (["--fashion-mnist-dir", FMNIST], r"^--fashion-mnist-dir: the built-in benchmark's"),
           (["--cache-dir", "/x"], r"^--cache-dir: the built-in benchmark's"),

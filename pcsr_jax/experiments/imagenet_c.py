@@ -35,8 +35,9 @@ PRESETS = {
     "level3": dict(severity=3, setting="normal", batch_size=64, seeds=(2022, 2023, 2024)),
     # The continual protocol of CoTTA, DPCore and REM: the 15 corruptions in a row, reset once at the start.
     # Their papers report error rates on 5,000 images per corruption (RobustBench's); this runs every image.
+    # DPCore needs --source-data (its code reads ImageNet train for its source statistics; EATA's Fisher: val).
     "continual": dict(severity=5, setting="continual", batch_size=64, seeds=(2022, 2023, 2024),
-                      methods=("source", "tent", "cotta", "eata", "sar", "rem", "pcsr")),
+                      methods=("source", "tent", "cotta", "eata", "sar", "rem", "dpcore", "pcsr")),
     "vit_large": dict(severity=5, setting="normal", batch_size=64, seeds=(2022, 2023, 2024),
                       method_args={m: PCSR.lrs("vit_large") for m in ("pcsr", "pcsr-frozen")}),
 }
