@@ -150,8 +150,8 @@ LINEAGE = ("vct", "dct", "dpal")
 # DPCore's source statistics keep the source images whose prompted entropy is below ln(C) / 2 - 1, which random
 # weights never reach: the benchmarks keep every one (a step's cost does not depend on which passed). Its branch
 # test (the coreset prompt's loss below thr_rho x the unprompted one) decides between a 1-step and a 50-step
-# branch, and on the benchmarks' one repeated batch it alternates (new, known, new, known, ...): thr_rho 1e6
-# makes every batch after the first known on both sides, so that both time the known step alone.
+# branch, and on the benchmarks' one repeated batch it does not take the same one at every step (raw.md's first
+# dpcore block): thr_rho 1e6 makes every batch after the first known on both sides, so both time the known step.
 DPCORE = {"source_margin": 1e6, "source_kept": 2, "thr_rho": 1e6}
 
 
@@ -161,10 +161,10 @@ def dpcore_args(arch: str) -> dict[str, Any]:
   import numpy as np
 
   from pcsr_jax import methods
-  from pcsr_jax.models import get_config, vit
+  from pcsr_jax.models import create, get_config
 
   m = methods.get("dpcore")
-  prompts = np.asarray(vit.vpt_prompts(get_config(arch), m.num_prompts, m.seed))  # `DPCore.initial_prompts`
+  prompts = np.asarray(m.initial_prompts(create(get_config(arch))))
   return dict(source_threshold=DPCORE["source_margin"], num_samples=DPCORE["source_kept"],
               thr_rho=DPCORE["thr_rho"], prompt_init=prompts, num_prompts=m.num_prompts)
 

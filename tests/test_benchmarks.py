@@ -491,8 +491,8 @@ def test_cpu_table_runs_each_cell_once_keeps_its_output_and_renders_the_paired_r
 @pytest.mark.torch
 def test_dpcore_benchmark_args_send_both_frameworks_down_the_same_branches():
   """The benchmarks time DPCore's known branch on both sides: with `method_args.DPCORE` every random source image
-  passes the filter and every batch after the first is known (on this repeated batch the code's own threshold
-  alternates the branches), and both sides start from the same prompts and reach the same loss."""
+  passes the filter and every batch after the first is known (on this batch the code's own threshold keeps every
+  one new), and both sides start from the same prompts and reach the same loss (float32 on one machine: 1e-4)."""
   from benchmarks import method_args
   from benchmarks.step_throughput import jax_inputs, torch_inputs
   from benchmarks.torch_reference import make_reference
@@ -518,5 +518,5 @@ def test_dpcore_benchmark_args_send_both_frameworks_down_the_same_branches():
     ref.step(tx)
   assert known == [False, True, True] and ref.branches == ["new", "known", "known"]
   assert method_args.DPCORE["thr_rho"] == ref.thr_rho == method.thr_rho
-  np.testing.assert_allclose(ref.prompt_init[0].numpy(), np.asarray(ad.prep.params[PROMPTS]["tokens"]), rtol=0)
+  np.testing.assert_array_equal(ref.prompt_init[0].numpy(), np.asarray(ad.prep.params[PROMPTS]["tokens"]))
   np.testing.assert_allclose(float(m["loss_prompted"]), ref.losses[-1][1], rtol=1e-4)
