@@ -16,16 +16,16 @@ CFG = ViTConfig(embed_dim=48, depth=12, num_heads=3, patch_size=8, img_size=32, 
 B = 8
 
 
-def random_model(head_scale: float = 1.0, seed: int = 0) -> dict[str, np.ndarray]:
+def random_model(head_scale: float = 1.0, seed: int = 0, cfg: ViTConfig = CFG) -> dict[str, np.ndarray]:
   """A randomized timm ViT's state dict (its head scaled: sharper predictions where a filter needs them)."""
-  _, sd = timm_parity.random_model(CFG, seed=seed)
+  _, sd = timm_parity.random_model(cfg, seed=seed)
   sd["head.weight"] = head_scale * sd["head.weight"]
   return sd
 
 
-def adapter(name: str, sd: dict, model: Any = None, **hp) -> engine.Adapter:
-  return engine.Adapter(methods.get(name, **hp), model if model is not None else create(CFG),
-                        weights.timm_to_flax(sd, CFG), batch_size=B)
+def adapter(name: str, sd: dict, model: Any = None, cfg: ViTConfig = CFG, **hp) -> engine.Adapter:
+  return engine.Adapter(methods.get(name, **hp), model if model is not None else create(cfg),
+                        weights.timm_to_flax(sd, cfg), batch_size=B)
 
 
 def stream(steps: int, seed: int = 1, scale: float = 1.0) -> list[np.ndarray]:

@@ -22,16 +22,22 @@ product with exact zeros. With weight decay 0, SAM's ``e`` and the SGD step are 
 its initial (random) value to the bit (checked: a gradient of exactly 0 after one backward, bit-equal after 5
 steps, while the k and v thirds move).
 
-Model (``main.py:299-305``): ``timm.create_model('vit_base_patch16_224', pretrained=True)``, then
-``block.attn = DCT_Attention()`` for blocks 0-8 (fresh modules, PyTorch's default random init), then the augreg npz
-reloaded into every timm tensor (``main.py:83-162``), qkv/proj included; the generators keep their random init.
-Here ``generator_init`` ({block: (weight [3C, C], bias [3C])}) supplies those random values.
+Model (``main.py:299-312``): ``timm.create_model('vit_base_patch16_224', pretrained=True)``, then
+``block.attn = DCT_Attention()`` for blocks 0-8 (``net.blocks[:9]``; fresh modules, PyTorch's default random
+init), then the augreg npz reloaded into every timm tensor (``main.py:83-162``), qkv/proj included; the generators
+keep their random init. ``vitlarge_timm`` (``main.py:306-312``) does the same for ``net.blocks[:21]`` of
+``vit_large_patch16_224`` (24 blocks). Here ``blocks`` defaults to those two by the model's depth (``[:21]`` at 24
+blocks, ``[:9]`` otherwise) and ``generator_init`` ({block: (weight [3C, C], bias [3C])}) supplies the random
+values.
 
-Parameters (``dct.py:114-155``): walking ``model.named_modules()``, one group per tensor: weight and bias of every
-LayerNorm whose name holds none of ``blocks.9``/``blocks.10``/``blocks.11``/``norm.`` and is not ``norm`` (blocks
-0-8's norm1/norm2) at ``args.lr`` = 0.001 * B / 64 (``main.py:305``), and the generator weight and bias of every
-``Attention`` outside blocks 9-11 at ``args.dct_lr`` = 0.01 (``main.py:200``; 0.003 for ImageNet-R,
-``main.py:229``). The walk order per block is norm1, attn (generator), norm2; it is kept here (it only orders the
+Parameters (``dct.py:114-155``): walking ``model.named_modules()``, a module is skipped when its name holds any of
+``layer4``, ``blocks.9``, ``blocks.10``, ``blocks.11``, ``blocks.21``, ``blocks.22``, ``blocks.23`` or ``norm.``,
+or is ``norm`` (``dct.py:123-142``, `official_name_test`); of the others, one group per tensor: weight and bias of
+every LayerNorm at ``args.lr`` = 0.001 * B / 64 (``main.py:305``), and the generator weight and bias of every
+``Attention`` at ``args.dct_lr`` = 0.01 (``main.py:200``; 0.003 for ImageNet-R, ``main.py:229``). At ViT-B's 12
+blocks: the norms and generators of blocks 0-8. At ViT-L's 24: the generators of blocks 9-11 exist (``[:21]``)
+but are skipped by the name test, so they run at their random init and never move; blocks 0-8 and 12-20 adapt
+(72 LayerNorm tensors and 36 generator tensors, 108). The walk order per block is norm1, attn (generator), norm2; it is kept here (it only orders the
 terms of SAM's gradient norm). ``--LN_lr`` (``main.py:199``) is never read. There is no lr doubling under bs1: the
 doubling of ``main.py:322-324`` is for ``--method sar`` only. One SAM (``sam.py``, rho 0.05, not adaptive) over SGD
 with momentum 0.9 (``main.py:383-384``; every group carries its lr).
@@ -68,9 +74,8 @@ Ambiguities and deviations (all value-preserving unless said):
     the same zero gradients (the SGD step still moves params through momentum). The EMA skips it.
   - The official runs torch 1.9, whose ``zero_grad`` keeps zero tensors; every adapted tensor gets a gradient on
     every backward (the zero q third included), so torch 2's ``None`` grads change nothing.
-  - ``blocks``: the official swaps blocks 0-8 (``main.py:302``) and its name filter would freeze a generator in
-    blocks 9-11; here the generator of every block in ``blocks`` is adapted. The LayerNorms adapted are always
-    those of blocks 0-8 (the official name filter), whatever ``blocks`` is.
+  - ``blocks``: the official swaps ``[:9]`` or ``[:21]``; another list is this reference's argument, the name
+    test applied to it as to the official's.
   - The paper speaks of conditioning "each layer" and of the model "updated before making a prediction"; the code
     conditions 9 blocks and reports forward 1's prediction, before the update. The code is followed.
   - ``rho`` and the margin are arguments; the official uses SAM's default 0.05 and 0.4 ln 1000. The npz
@@ -89,7 +94,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from benchmarks.torch_reference import SAM, SARStep, sar_layernorms
+from benchmarks.torch_reference import SAM, SARStep
+
+# dct.py:123-140: a module whose name holds one of these is skipped ("blocks9-11 for Vit-Base and blocks21-23 for
+# Vit-large"), as is the final ``norm`` (dct.py:141-142).
+SKIPPED_NAME_PARTS = ("layer4", "blocks.9", "blocks.10", "blocks.11", "blocks.21", "blocks.22", "blocks.23", "norm.")
+
+
+def official_name_test(name: str) -> bool:
+  """Whether ``collect_params`` (dct.py:121-142) looks at the module named ``name``: substring tests, as there."""
+  return not any(part in name for part in SKIPPED_NAME_PARTS) and name != "norm"
 
 
 class DCTAttention(nn.Module):
@@ -125,13 +139,13 @@ class DCTAttention(nn.Module):
 
 
 class Reference(SARStep):
-  """DCT on a timm ViT: the domain-conditioned attention in ``blocks``, then SAR's step on the LayerNorms of
-  blocks 0-8 and the generators, the prediction from the first forward."""
+  """DCT on a timm ViT: the domain-conditioned attention in ``blocks``, then SAR's step on the LayerNorms and
+  generators that the official name test keeps, the prediction from the first forward."""
 
   def __init__(self, model: nn.Module, batch_size: int, margin: float,
                generator_init: Mapping[int, tuple[np.ndarray, np.ndarray]], reset_constant: float = 0.2,
                lr_norm: float | None = None, lr_generator: float = 0.01, rho: float = 0.05,
-               blocks: Sequence[int] = tuple(range(9))):
+               blocks: Sequence[int] | None = None):
     self.model = model
     self.margin = margin
     self.reset_constant = reset_constant
@@ -140,6 +154,8 @@ class Reference(SARStep):
     self.counts: list[tuple[int, int]] = []  # (first filter, second filter) per step
     lr_norm = lr_norm if lr_norm is not None else 0.001 / 64 * batch_size  # main.py:305, no bs1 doubling
     model.requires_grad_(False)
+    if blocks is None:  # main.py:302 (vitbase_timm, net.blocks[:9]) and 309 (vitlarge_timm, net.blocks[:21])
+      blocks = range(21 if len(model.blocks) == 24 else 9)
     blocks = tuple(blocks)
     assert set(blocks) == set(generator_init), "one generator init per conditioned block"
     for i in blocks:
@@ -152,12 +168,13 @@ class Reference(SARStep):
         gen.weight.copy_(torch.as_tensor(np.asarray(w), dtype=gen.weight.dtype))
         gen.bias.copy_(torch.as_tensor(np.asarray(bias), dtype=gen.bias.dtype))
       model.blocks[i].attn = DCTAttention(attn, gen)  # same slot in the block's _modules: named_modules order kept
-    # dct.py:114-155: the walk over named_modules, one group per tensor, LayerNorms of blocks 0-8 at lr_norm and
+    # dct.py:114-155: the walk over named_modules, the name test, then one group per tensor: LayerNorms at lr_norm,
     # each conditioned attention's generator weight and bias at lr_generator.
-    norm_ids = {id(p) for p in sar_layernorms(model)}
     groups, self.params = [], []
-    for _, m in model.named_modules():
-      if isinstance(m, nn.LayerNorm) and id(m.weight) in norm_ids:
+    for nm, m in model.named_modules():
+      if not official_name_test(nm):
+        continue
+      if isinstance(m, nn.LayerNorm):
         picked, lr = [m.weight, m.bias], lr_norm
       elif isinstance(m, DCTAttention):
         picked, lr = [m.generator.weight, m.generator.bias], lr_generator

@@ -41,3 +41,8 @@ class DCTConfig:
 
 def is_generator_param(path: tuple[str, ...]) -> bool:
   return path[0].startswith(PREFIX)
+
+
+def generator_index(path: tuple[str, ...]) -> int:
+  """j of a ``qkv_gen_j`` param: the position of its block in `DCTConfig.blocks`, not the block's index."""
+  return int(path[0][len(PREFIX):])
