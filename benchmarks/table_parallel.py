@@ -1,14 +1,16 @@
 """The built-in table three ways on this host, in one run: one unit at a time with each batch split over the
-devices, a unit per device at once (``--devices-per-unit 1``), and one worker process per device sharing the
-output (``--join``). Prints each way's wall time, its ratio to the first, and whether its records (but their
-timings) equal the one-device-per-unit runs'.
+devices, a unit per device at once in threads (``--devices-per-unit 1``), and a unit per Ray actor at once on a
+local Ray instance (``--executor ray``, one actor per core: the Ray way's overhead against the threads). Prints
+each way's wall time, its ratio to the first, and whether its records (but their timings) equal the
+one-device-per-unit runs'.
 
     python -m benchmarks.table_parallel                  # Source, TENT, SAR, PCSR; 15 corruptions x 1,280 images
     python -m benchmarks.table_parallel --images 64 --corruptions fog,contrast   # a quick look
 
-On a CPU host the devices are its cores (``--cpu-devices``, one per core); every way is a fresh process of the
-main job, its compiles included, so the figures are what a user's table costs end to end; the corrupted images
-are generated into their cache before the first way.
+On a CPU host the devices are its cores (``--cpu-devices``, one per core; Ray's local instance takes every core of
+the host, an actor each); every way is a fresh process of the main job, its compiles included (and for Ray the
+instance's start and each actor's set-up), so the figures are what a user's table costs end to end; the corrupted
+images are generated into their cache before the first way.
 """
 
 from __future__ import annotations
@@ -73,8 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                                   os.path.join(work, "split")]],
       f"{n} units at once, one device each": [base + ["--cpu-devices", n, "--devices-per-unit", "1", "--output",
                                                       os.path.join(work, "groups")]],
-      f"{n} worker processes, one device each": [base + ["--cpu-devices", "1", "--join", "--expect-workers", n,
-                                                         "--output", os.path.join(work, "workers")]] * a.devices,
+      f"{n} units at once, a Ray actor each (local instance)": [base + ["--executor", "ray", "--output",
+                                                                         os.path.join(work, "ray")]],
   }
   print(f"built-in table: methods {a.methods}, {a.images} images per corruption, {n} devices; outputs in {work}")
   _warm_data(a.corruptions, a.images)
@@ -83,11 +85,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     times[name] = _timed(cmds)
     print(f"  {name}: {times[name]:.0f} s", flush=True)
   first = next(iter(times.values()))
-  same = _records(os.path.join(work, "groups")) == _records(os.path.join(work, "workers"))
+  same = _records(os.path.join(work, "groups")) == _records(os.path.join(work, "ray"))
   print("| way | wall s | speed-up over the first |\n|---|---|---|")
   for name, t in times.items():
     print(f"| {name} | {t:.0f} | {first / t:.2f}x |")
-  print(f"records of the two one-device-per-unit ways equal (timings aside): {same}; the split way's equal "
+  print(f"records of the threads' and Ray's ways equal (timings aside): {same}; the split way's equal "
         f"them: {_records(os.path.join(work, 'split')) == _records(os.path.join(work, 'groups'))}")
   if not a.keep:
     shutil.rmtree(work, ignore_errors=True)

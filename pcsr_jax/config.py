@@ -18,6 +18,9 @@ from pcsr_jax.errors import UserError
 from pcsr_jax.models.vit import ATTENTION_IMPLS, compute_dtype
 
 
+EXECUTORS = ("threads", "ray")
+
+
 @dataclasses.dataclass
 class RunConfig:
   """Everything a run depends on (stored in results.json)."""
@@ -79,13 +82,12 @@ class RunConfig:
   # the caches. None: the batch in one pass (the paper numbers; a chunked run differs by float32 rounding).
   row_chunk: Optional[int] = None
   # How the run's units run (`pcsr_jax.units`): devices per unit, a unit per group at once (None: one per device
-  # on a GPU/TPU host with more units than devices, else all of them in one group); as one worker of a table
-  # shared through --output (``join``), a dead worker's claim taken over after ``claim_timeout`` seconds, and
-  # ``expect_workers`` workers awaited before any claim.
+  # on a GPU/TPU host with more units than devices, else all of them in one group); ``executor`` "threads" (this
+  # host's device groups) or "ray" (an actor per device group of a Ray cluster, `pcsr_jax.ray_units`) at
+  # ``ray_address`` (None: a local Ray instance on this host).
   devices_per_unit: Optional[int] = None
-  join: bool = False
-  claim_timeout: float = 300.0
-  expect_workers: Optional[int] = None
+  executor: str = "threads"
+  ray_address: Optional[str] = None
 
   def validate(self) -> None:
     """Every value checked before any work starts: one line naming the flag on the first bad one. Resolves
@@ -127,20 +129,25 @@ class RunConfig:
       raise UserError(f"--row-chunk: expected a positive integer, got {self.row_chunk}")
     if self.loader not in ("threads", "processes", "auto"):
       raise UserError(f"--loader: expected threads, processes or auto, got '{self.loader}'")
-    if not (isinstance(self.claim_timeout, (int, float)) and math.isfinite(self.claim_timeout) and
-            self.claim_timeout > 0):
-      raise UserError(f"--claim-timeout: expected a number of seconds > 0, got {self.claim_timeout}")
-    if self.join and distributed.is_multiprocess():
-      raise UserError("--join: independent workers share a table; --coordinator/--distributed run one job over "
+    if self.executor not in EXECUTORS:
+      raise UserError(f"--executor: expected {' or '.join(EXECUTORS)}, got '{self.executor}'")
+    if self.executor == "ray" and distributed.is_multiprocess():
+      raise UserError("--executor ray: Ray's actors run the units; --coordinator/--distributed run one job over "
                       "every process (give one or the other)")
-    if self.expect_workers is not None and not self.join:
-      raise UserError("--expect-workers: for workers of a shared table (--join)")
+    if self.ray_address is not None and self.executor != "ray":
+      raise UserError("--ray-address: for --executor ray")
+    if self.executor == "ray":  # before any work: Ray installed, the cluster's address well formed and open
+      from pcsr_jax import ray_units
+
+      ray_units.require_ray()
+      if self.ray_address is not None:
+        ray_units.check_address(self.ray_address)
     if not (isinstance(self.imbalance_ratio, (int, float)) and math.isfinite(self.imbalance_ratio)
             and self.imbalance_ratio >= 1):
       raise UserError(f"--imbalance-ratio: expected a number >= 1 (1: uniform), got {self.imbalance_ratio}")
     for flag, v in (("--batch-size", self.batch_size), ("--limit", self.limit),
                     ("--checkpoint-every", self.checkpoint_every), ("--source-images", self.source_images),
-                    ("--devices-per-unit", self.devices_per_unit), ("--expect-workers", self.expect_workers)):
+                    ("--devices-per-unit", self.devices_per_unit)):
       if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
         raise UserError(f"{flag}: expected a positive integer, got {v}")
 

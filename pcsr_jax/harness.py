@@ -1,8 +1,8 @@
 """The run loop: the run's units (a method and seed on a domain, or on the whole stream: `units`), one per device
-group at once, each claimed, streamed with one compiled step per method and seed, each batch decoded ahead of
+group at once, each taken from the run's queue, streamed with one compiled step per method and seed, each batch decoded ahead of
 the step and its predictions read one step late (the host never waits on the step it just dispatched). A unit's
 progress is saved every ``checkpoint_every`` batches and on SIGINT/SIGTERM; ``resume=True`` continues
-bit-identically on CPU; ``join=True`` shares the table with other workers through the output folder. Under
+bit-identically on CPU; ``executor='ray'`` runs the units on a Ray cluster's actors (`ray_units`). Under
 `jax.distributed` every process streams the same global batches (`distributed.batches`); process 0 alone logs
 and writes. Around the loop: `config` (the configuration and its checks), `run_setup` (what the units share),
 `progress` (the progress on disk, the resume keys), `runlog` (log and progress lines), `results` (records and
@@ -11,15 +11,17 @@ outputs).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import sys
 import time
 from typing import Any
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pcsr_jax import distributed, engine, progress, results, runlog, units
+from pcsr_jax import distributed, engine, lock, progress, results, runlog, units
 from pcsr_jax.config import RunConfig
 from pcsr_jax.errors import UserError
 from pcsr_jax.progress import UnitProgress, UnitRecord
@@ -28,51 +30,59 @@ from pcsr_jax.run_setup import Setup, setup as _setup
 
 def run(cfg: RunConfig, log=print) -> dict:
   """Runs the experiment; returns ``{'records', 'curves', 'skipped', ...}`` and writes the outputs, every log
-  line also in ``<output>/log.txt`` (`runlog.Log`). With ``cfg.join`` this process is one worker of a table
-  shared through ``cfg.output``: it runs the units it claims, and the worker that finishes the last one writes the
-  outputs (the others return ``{'complete': False, ...}``).
+  line also in ``<output>/log.txt`` (`runlog.Log`). The run holds ``cfg.output`` (`lock.hold`) from before it
+  reads or discards any progress there: a second run on the same folder is refused. With ``cfg.executor ==
+  'ray'`` the units run on the actors of a Ray cluster (`pcsr_jax.ray_units`) and this process, the driver,
+  writes the outputs.
 
   Under `jax.distributed` every process calls this with the same config; only process 0 logs and writes."""
-  log = runlog.for_run(cfg.output, cfg.resume or cfg.join, log if distributed.is_main() else lambda *a, **k: None,
-                       worker=units.worker_id() if cfg.join else None)
-  setup = _setup(cfg, log)
-  if setup.done is None:
-    log(f"{cfg.output}/results.json: this table is complete; nothing left to run")
-    return results.read(cfg.output)
-  claims = units.Claims(setup.units, setup.resume, setup.done, shared=cfg.join, timeout_s=cfg.claim_timeout)
-  tracker = runlog.Units(setup.units, setup.done, log, say_starts=cfg.join or len(setup.groups) > 1,
-                         who=f"{units.worker_id()} " if cfg.join else "")
-  try:
-    if cfg.expect_workers:
-      claims.wait_for_workers(cfg.expect_workers, log)
-    with units.Stop() as stop:
-      executors = [functools.partial(_executor, setup, claims, mesh, stop, tracker, log) for mesh in setup.groups]
-      if not units.execute(executors, stop):
-        log(f"interrupted: progress saved to {setup.resume.dir}; rerun with --resume to continue")
-        raise SystemExit(130)
-  finally:
-    claims.close()
-    setup.loader.close()  # the decode processes, if any
-  return results.finish(setup, claims, log)
+  main = distributed.is_main()
+  log = runlog.for_run(cfg.output, cfg.resume, log if main else lambda *a, **k: None)
+  with lock.hold(cfg.output, " ".join(sys.argv)) if main else contextlib.nullcontext():
+    setup = _setup(cfg, log)
+    queue = units.Queue(setup.units, setup.done)
+    passes = {m: units.declared_passes(p.method) for m, p in setup.plans.items()}
+    tracker = runlog.Units(setup.units, setup.done, log, say_starts=cfg.executor == "ray" or len(setup.groups) > 1,
+                           passes=passes)
+    try:
+      with units.Stop() as stop:
+        if cfg.executor == "ray":
+          from pcsr_jax import ray_units
+
+          finished = ray_units.execute(setup, queue, tracker, stop, log)
+        else:
+          executors = [functools.partial(_executor, setup, queue, mesh, stop, tracker, log) for mesh in setup.groups]
+          finished = units.execute(executors, stop)
+        if not finished:
+          log(f"interrupted: progress saved to {setup.resume.dir}; rerun with --resume to continue")
+          raise SystemExit(130)
+    finally:
+      setup.loader.close()  # the decode processes, if any
+    return results.finish(setup, log)
 
 
-def _executor(setup: Setup, claims: units.Claims, mesh, stop: units.Stop, tracker: runlog.Units, log) -> bool:
-  """One device group's loop: claims a unit, runs it, until none is left; False when stopped (progress saved).
+def _executor(setup: Setup, queue: units.Queue, mesh, stop: units.Stop, tracker: runlog.Units, log) -> bool:
+  """One device group's loop: takes a unit, runs it, until none is left; False when stopped (progress saved).
   An adapter (its compiled step) serves the units of one method and seed one after another."""
-  cfg, adapter, last = setup.cfg, None, None
-  while not stop.requested and (unit := claims.next()) is not None:
-    plan = setup.plans[unit.method]
+  adapter, last = None, None
+  while not stop.requested and (unit := queue.next(prefer=last)) is not None:
     if (unit.method, unit.seed) != last:
-      adapter = engine.Adapter(plan.method, setup.model, setup.params, batch_size=cfg.batch_size,
-                               eval_order=cfg.eval_order, seed=unit.seed, source_stats=plan.stats, mesh=mesh,
-                               mean=setup.meta["mean"], std=setup.meta["std"], row_chunk=cfg.row_chunk)
+      adapter = make_adapter(setup, unit, mesh)
       last = (unit.method, unit.seed)
     tracker.start(unit)
-    done = _run_unit(setup, unit, adapter, stop, tracker, log)
-    claims.finish(unit, done)
+    done = run_unit(setup, unit, adapter, stop, tracker, log)
+    queue.finish(unit, done)
     if not done:
       return False
   return not stop.requested
+
+
+def make_adapter(setup: Setup, unit: units.Unit, mesh) -> engine.Adapter:
+  """The adapter (one compiled step) of the unit's method and seed on ``mesh``."""
+  cfg, plan = setup.cfg, setup.plans[unit.method]
+  return engine.Adapter(plan.method, setup.model, setup.params, batch_size=cfg.batch_size,
+                        eval_order=cfg.eval_order, seed=unit.seed, source_stats=plan.stats, mesh=mesh,
+                        mean=setup.meta["mean"], std=setup.meta["std"], row_chunk=cfg.row_chunk)
 
 
 @dataclasses.dataclass
@@ -89,8 +99,8 @@ class _Unit:
   since_save: int = 0
 
 
-def _run_unit(setup: Setup, unit: units.Unit, adapter: engine.Adapter, stop: units.Stop, tracker: runlog.Units,
-              log) -> bool:
+def run_unit(setup: Setup, unit: units.Unit, adapter: engine.Adapter, stop: units.Stop, tracker: runlog.Units,
+             log) -> bool:
   """One unit over its segments, from its saved progress if any. Returns False when interrupted (saved)."""
   cfg, plan = setup.cfg, setup.plans[unit.method]
   rec = setup.resume.load_unit(unit.key) or UnitRecord(unit.key, source_key=plan.source_key)
@@ -113,14 +123,16 @@ def _run_unit(setup: Setup, unit: units.Unit, adapter: engine.Adapter, stop: uni
     recs = results.record_segment(setup, rec.records, up, seg, unit.method, unit.seed, adapter.eval_order,
                                   int(u.state.resets), plan.used)
     up.close_segment()
-    bar.segment(progress.stem(unit.key), seg.name, recs, *tracker.running(unit, up), up.images_per_s)
+    if tracker is not None:
+      bar.segment(progress.stem(unit.key), seg.name, recs, *tracker.running(unit, up), up.images_per_s)
   bar.close()
   rec.done, rec.progress = True, None
   rec.throughput = dict(images=up.seen, seconds=up.total_seconds, images_per_s=up.images_per_s)
   if distributed.is_main():
     setup.resume.save_unit(rec)
   setup.finished[unit.key] = rec
-  tracker.finish(unit, up)
+  if tracker is not None:
+    tracker.finish(unit, up)
   return True
 
 

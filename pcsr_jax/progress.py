@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import time
 from typing import Any, Optional, Sequence
 
@@ -227,27 +228,8 @@ class Resume:
     """The manifest of a resumed run (its units' source keys as they are now), the units' folders kept."""
     files.write_json(self.path, manifest)
 
-  def create(self, manifest: dict) -> bool:
-    """The manifest written only if there is none (atomic: several workers may start at once); whether this
-    call wrote it."""
-    os.makedirs(self.dir, exist_ok=True)
-    tmp = f"{self.path}.{os.getpid()}.{time.time_ns()}"
-    with open(tmp, "w") as f:
-      json.dump(manifest, f)
-    try:
-      os.link(tmp, self.path)  # fails if another worker wrote it first
-      return True
-    except FileExistsError:
-      return False
-    finally:
-      os.remove(tmp)
-
   def unit_dir(self, key: str) -> str:
     return os.path.join(self.dir, "units", unit_folder(key))
-
-  def claim_path(self, key: str) -> str:
-    """The file a worker of a shared table holds while it runs unit ``key`` (`pcsr_jax.units.Claims`)."""
-    return os.path.join(self.dir, "claims", unit_folder(key))
 
   def load_unit(self, key: str) -> Optional[UnitRecord]:
     path = os.path.join(self.unit_dir(key), "unit.json")
@@ -309,7 +291,7 @@ def config_key(config_json: dict, ckpt_digest: str) -> str:
   statistics keep their records when they change."""
   keep = {k: v for k, v in config_json.items()
           if k not in ("resume", "progress", "workers", "loader", "checkpoint_every", "source_data", "source_images",
-                       "join", "claim_timeout", "expect_workers")}
+                       "executor", "ray_address")}
   return json.dumps(dict(keep, checkpoint_params=ckpt_digest), sort_keys=True)
 
 
@@ -327,11 +309,12 @@ def data_key(srcs: list) -> str:
 
 
 def check_resumable(manifest: dict, key: str, data_key: str, path: str, checkpoint_dir: str,
-                    joined: bool = False) -> None:
+                    worker: bool = False) -> None:
   """Saved progress is continued only under the configuration, checkpoint params and data it was made with;
-  ``joined``: the manifest is a shared table's (``--join``), which this worker must be started like."""
+  ``worker``: the manifest is the driver's of the table a Ray actor runs units of, which the actor must see
+  alike (another checkpoint or data folder on its node is refused)."""
   differ = _config_diff(manifest["config_key"], key) if manifest["config_key"] != key else None
-  if joined and (differ is not None or manifest["data_key"] != data_key):
+  if worker and (differ is not None or manifest["data_key"] != data_key):
     if differ and "checkpoint_params" in differ:
       what = f"the params of --checkpoint {checkpoint_dir}"
     elif differ:
@@ -340,8 +323,8 @@ def check_resumable(manifest: dict, key: str, data_key: str, path: str, checkpoi
       what = "its settings"
     else:
       what = "its data (images added, removed or relabelled)"
-    raise UserError(f"{path}: this worker differs from the others of this table in {what}; start every worker "
-                    f"alike, or use another --output")
+    raise UserError(f"{path}: the worker {socket.gethostname()} differs from the driver of this table in {what}; "
+                    f"give every node of the cluster the same checkpoint and data")
   if differ is not None:
     if "checkpoint_params" in differ:
       raise UserError(f"{path}: the params of --checkpoint {checkpoint_dir} changed since the progress was saved "

@@ -254,27 +254,12 @@ def read(output: str) -> dict:
     return json.load(f)
 
 
-def finish(setup: Any, claims: Any, log) -> dict:
-  """The run's outputs once every unit is done (`write_outputs`), from the units this process ran and the
-  others' saved records. A worker of a shared table that finds units still running elsewhere leaves the table to
-  the worker that finishes last; of two that finish at once, the one that takes ``resume/final`` writes it."""
+def finish(setup: Any, log) -> dict:
+  """The run's outputs once every unit is done (`write_outputs`), from the units this process ran and the saved
+  records of those its Ray actors ran."""
   from pcsr_jax import progress as prog
 
   recs = [setup.finished.get(u.key) or setup.resume.load_unit(u.key) for u in setup.units]
-  missing = [u.key for u, r in zip(setup.units, recs) if r is None or not r.done]
-  if missing and setup.cfg.join:
-    log(f"{claims.me}: no unit left to claim; {len(missing)} of {len(setup.units)} still running on other "
-        f"workers (the last to finish writes the table), e.g. {missing[0]}")
-    return dict(complete=False, missing=missing)
-  if setup.cfg.join:
-    try:
-      os.close(os.open(os.path.join(setup.resume.dir, "final"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
-      log(f"{claims.me}: another worker is writing the table")
-      return dict(complete=False, missing=[])
-    if len(setup.finished) == len(setup.units) and claims.workers_seen() == 1:
-      log(f"{claims.me}: ran every unit of this table alone, no other worker registered in {setup.resume.dir}; "
-          f"if others were started, --output is not a folder they share (--expect-workers N refuses such a run)")
   return write_outputs(setup, prog.merge([r for r in recs if r is not None]), log)
 
 

@@ -61,7 +61,7 @@ class Setup:
   corrupters: Optional[list] = None  # --corrupt-on device: one `corrupt_device.BatchCorrupter` per source
   segments: dict = dataclasses.field(default_factory=dict)  # seed -> its stream's segments (`streams.build`)
   units: list = dataclasses.field(default_factory=list)  # the run's `units.Unit`s in plan order
-  done: Optional[set] = dataclasses.field(default_factory=set)  # units finished already (None: the whole table)
+  done: set = dataclasses.field(default_factory=set)  # units finished already
   finished: dict = dataclasses.field(default_factory=dict)  # key -> `progress.UnitRecord` of the units run here
   groups: list = dataclasses.field(default_factory=list)  # one device mesh per group that runs a unit at once
   platform: str = "cpu"  # the run's devices' (`platforms.of_devices`): what --attention auto chose for
@@ -84,9 +84,10 @@ class _Stream:
   ccc: Optional[dict]
 
 
-def setup(cfg: RunConfig, log) -> Setup:
+def setup(cfg: RunConfig, log, worker: bool = False) -> Setup:
   """Validates the config, loads the checkpoint, checks every method's inputs, opens the data and its loader,
-  and loads or starts the progress: everything before the first unit."""
+  and loads or starts the progress: everything before the first unit. A ``worker`` (a Ray actor running units
+  for the driver, `pcsr_jax.ray_units`) reads the driver's progress and writes none of its own."""
   cfg.validate()
   spec = datasets.get(cfg.dataset)
   model, params, meta = checkpoint.load(cfg.checkpoint, kind="vit")
@@ -103,18 +104,27 @@ def setup(cfg: RunConfig, log) -> Setup:
   resume = Resume(cfg.output)
   segments = {seed: stream_segments(cfg, stream.srcs, stream.names, seed) for seed in cfg.seeds}
   plan = units.plan(cfg.setting, cfg.seeds, {m: p.method for m, p in plans.items()}, segments)
-  groups = _device_groups(cfg, len(plan))
+  if worker:
+    groups = [_worker_mesh()]
+  else:  # a Ray driver runs no unit itself: its actors have the devices
+    groups = [] if cfg.executor == "ray" else _device_groups(cfg, len(plan))
   config_json = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
   manifest = dict(config_key=progress.config_key(config_json, ckpt_digest), data_key=progress.data_key(stream.srcs),
                   units=[u.key for u in plan], source_keys={m: p.source_key for m, p in plans.items()})
-  done, commit = _start_progress(cfg, resume, exchange, manifest, plan, log)
+  done, commit = (_worker_progress if worker else _start_progress)(cfg, resume, exchange, manifest, plan, log)
   s = Setup(cfg, spec, stream.model, params, stream.num_classes, stream.names, stream.srcs, stream.relabel, loader,
             resume, config_json, decode_ips, exchange, meta, plans, source, ckpt_digest, stream.ccc, corrupters,
             segments, plan, done, groups=groups, platform=platform)
-  if done is not None:
-    load_source_stats(s, log)  # an unreadable --source-data stops the run before it writes anything
+  load_source_stats(s, log)  # an unreadable --source-data stops the run before it writes anything
   commit()
   return s
+
+
+def _worker_mesh():
+  """A Ray actor's mesh: every device it was given (Ray sets the GPUs it sees), one unit at a time."""
+  from pcsr_jax import engine
+
+  return engine.data_mesh(jax.local_devices())
 
 
 def _device_groups(cfg: RunConfig, n_units: int) -> list:
@@ -124,7 +134,7 @@ def _device_groups(cfg: RunConfig, n_units: int) -> list:
   if distributed.is_multiprocess():
     if cfg.devices_per_unit is not None:
       raise UserError("--devices-per-unit: one process per host runs one unit at a time over every device under "
-                      "--coordinator/--distributed; start independent workers with --join instead")
+                      "--coordinator/--distributed; run a table over a cluster with --executor ray instead")
     cfg.devices_per_unit = len(jax.devices())
     return [None]
   from pcsr_jax import engine
@@ -189,29 +199,12 @@ def stream_segments(cfg: RunConfig, srcs: list, names: list[str], seed: int) -> 
 
 
 def _start_progress(cfg: RunConfig, resume: Resume, exchange: distributed.Exchange, manifest: dict, plan: list,
-                    log) -> tuple[Optional[set], Any]:
-  """The saved progress to continue (``--resume``, ``--join``: its keys checked, `progress.check_resumable`;
-  each unit's source statistics, `progress.keeps_statistics`), or a fresh one. Returns the keys of the units
-  finished already (None: ``--join`` of a table another worker finished) and what writes the progress (a fresh
-  manifest, the outputs of an earlier run removed; a resumed one's units that start over), called once the
-  source statistics are in hand."""
+                    log) -> tuple[set, Any]:
+  """The saved progress to continue (``--resume``: its keys checked, `progress.check_resumable`; each unit's
+  source statistics, `progress.keeps_statistics`), or a fresh one. Returns the keys of the units finished already
+  and what writes the progress (a fresh manifest, the outputs of an earlier run removed; a resumed one's units
+  that start over), called once the source statistics are in hand."""
   os.makedirs(cfg.output, exist_ok=True)
-  nothing = lambda: None
-  if cfg.join:
-    finished = _finished_table(cfg, manifest)
-    if finished is not None:
-      if finished:
-        return None, nothing
-      raise UserError(f"{cfg.output}/results.json holds a finished table of another configuration; use another "
-                      f"--output (or run without --join to replace it)")
-    if not resume.create(manifest):  # the first worker's manifest: the table's keys for every other worker
-      saved = resume.load()
-      progress.check_resumable(saved, manifest["config_key"], manifest["data_key"], resume.path, cfg.checkpoint,
-                               joined=True)
-      if saved.get("source_keys") != manifest["source_keys"]:
-        raise UserError(f"{resume.path}: another worker of this table runs with other source statistics "
-                        f"(--source-data, --source-images or its images differ); start every worker alike")
-    return {u.key for u in plan if (r := resume.load_unit(u.key)) is not None and r.done}, nothing
   saved = resume.load() if cfg.resume else None
   if cfg.resume:  # a fresh run ignores what the folder holds, so hosts may see different leftovers there
     progress.check_same_progress(exchange, resume)
@@ -249,18 +242,20 @@ def _start_progress(cfg: RunConfig, resume: Resume, exchange: distributed.Exchan
   return done, resume_run
 
 
-def _finished_table(cfg: RunConfig, manifest: dict) -> Optional[bool]:
-  """Whether ``--output`` holds a finished table of this configuration and checkpoint (True), of another (False),
-  or none (None)."""
-  try:
-    with open(os.path.join(cfg.output, "results.json")) as f:
-      res = json.load(f)
-    if not res.get("complete"):
-      return None
-    digest = json.loads(manifest["config_key"])["checkpoint_params"]
-    return progress.config_key(res["config"], digest) == manifest["config_key"]
-  except (OSError, ValueError, KeyError, TypeError, AttributeError):
-    return None
+def _worker_progress(cfg: RunConfig, resume: Resume, exchange: distributed.Exchange, manifest: dict, plan: list,
+                     log) -> tuple[set, Any]:
+  """A Ray actor's view of the driver's progress: the manifest the driver wrote, which this node's checkpoint,
+  data and source statistics must match (`progress.check_resumable`); the units finished so far."""
+  saved = resume.load()
+  if saved is None:
+    raise UserError(f"{resume.path}: no progress of the driver in --output {cfg.output} as this node sees it; "
+                    f"put --output on a filesystem every node of the cluster shares")
+  progress.check_resumable(saved, manifest["config_key"], manifest["data_key"], resume.path, cfg.checkpoint,
+                           worker=True)
+  if saved.get("source_keys") != manifest["source_keys"]:
+    raise UserError(f"{resume.path}: the worker sees other source statistics than the driver (--source-data, "
+                    f"--source-images or its images differ); give every node the same data")
+  return {u.key for u in plan if (r := resume.load_unit(u.key)) is not None and r.done}, lambda: None
 
 
 def check_data(cfg: RunConfig) -> None:

@@ -39,14 +39,12 @@ class Log:
     self._mode = "a"
 
 
-def for_run(output: str, resume: bool, log: Callable, worker: Optional[str] = None) -> Log:
+def for_run(output: str, resume: bool, log: Callable) -> Log:
   """``log`` with the run's log file: itself if it is already a `Log` of ``output`` (the built-in benchmark's
-  command logs its header through the same one). A worker of a shared table (``worker``) logs to
-  ``log-<worker>.txt``, beside the others'."""
-  name = LOG_FILE if worker is None else f"log-{worker.replace(':', '_')}.txt"
-  if isinstance(log, Log) and log.path == os.path.join(output, name):
+  command logs its header through the same one)."""
+  if isinstance(log, Log) and log.path == os.path.join(output, LOG_FILE):
     return log
-  return Log(output, resume, log, name)
+  return Log(output, resume, log)
 
 
 class Progress:
@@ -95,24 +93,28 @@ class Progress:
 
 
 class Units:
-  """The run's progress over its units: a line when a unit starts (several at once, or a shared table) and when
-  it ends, with the units done of all and an estimate of the time left (from the images streamed so far);
-  each method and seed's running accuracy over its finished units, and a line once all of them are done."""
+  """The run's progress over its units: a line when a unit starts (several at once) and when it ends, with the
+  units done of all and the time left (`time_left`); each method and seed's running accuracy over its finished
+  units, and a line once all of them are done."""
 
-  def __init__(self, plan: Sequence[Any], done: set, log: Callable, say_starts: bool, who: str = ""):
+  def __init__(self, plan: Sequence[Any], done: set, log: Callable, say_starts: bool,
+               passes: Optional[dict] = None, who: str = ""):
     import threading
 
     self.plan, self.log, self.say_starts, self.who = list(plan), log, say_starts, who
+    self.passes = dict(passes or {})  # method -> its declared passes per image (`units.declared_passes`)
     self.done = set(done)
     self.t0 = time.monotonic()
-    self.images = 0  # streamed by this process
-    # method/seed -> [seen, correct, seconds, units] of its units finished by this process
+    self.images = 0  # streamed here
+    self.finished: list = []  # the units finished here (their wall time is in this run's)
+    self.timed: dict[str, list] = {}  # method -> [images, seconds of stepping] of its units finished here
+    # method/seed -> [seen, correct, seconds, units] of its units finished here
     self.totals: dict[str, list] = {}
     self._lock = threading.Lock()
 
-  def start(self, unit: Any) -> None:
+  def start(self, unit: Any, where: str = "") -> None:
     if self.say_starts:
-      self.log(f"{self.who}{threading_name()}: {unit.key} started ({unit.images:,} images)")
+      self.log(f"{self.who}{where or threading_name()}: {unit.key} started ({unit.images:,} images)")
 
   def running(self, unit: Any, up: Any) -> tuple[int, int]:
     """``(seen, correct)`` of the unit's method and seed: its finished units and this one so far."""
@@ -122,30 +124,55 @@ class Units:
       seen, correct = self.totals.get(stem(unit.key), [0, 0])[:2]
     return seen + up.seen, correct + up.correct
 
-  def finish(self, unit: Any, up: Any) -> None:
+  def time_left(self, now: Optional[float] = None) -> Optional[float]:
+    """Seconds until every unit is done, or None before a unit has finished here: the wall time so far times the
+    expected cost of the units left over that of the units finished here. A unit's expected cost is its images
+    times its method's seconds per image, as timed here over its finished units, or for a method not timed yet
+    its declared passes per image (`units.declared_passes`) at the seconds per pass of the methods timed: a MEMO
+    unit (65F+64B) weighs some 60 times a Source one (1F) until one of them has run."""
+    with self._lock:
+      timed = {m: s / i for m, (i, s) in self.timed.items() if i and s > 0}
+      if not self.finished or not timed:
+        return None
+      per_pass = sum(self.timed[m][1] for m in timed) / sum(self.timed[m][0] * self._passes(m) for m in timed)
+      cost = lambda u: u.images * timed.get(u.method, self._passes(u.method) * per_pass)
+      done = sum(cost(u) for u in self.finished)
+      left = sum(cost(u) for u in self.plan if u.key not in self.done)
+    elapsed = (now if now is not None else time.monotonic()) - self.t0
+    return elapsed * left / done if done > 0 else None
+
+  def _passes(self, method: str) -> float:
+    return self.passes.get(method, 1.0)
+
+  def finish(self, unit: Any, up: Any) -> str:
+    """Records a unit finished here (``up``: its `progress.UnitProgress`, or what a Ray actor reports of it) and
+    logs its line; returns the units-done part of it (the Ray executor's task names show it)."""
     from pcsr_jax.progress import stem
 
     with self._lock:
       self.done.add(unit.key)
+      self.finished.append(unit)
       self.images += up.seen
+      w = self.timed.setdefault(unit.method, [0, 0.0])
+      w[0] += up.seen
+      w[1] += up.total_seconds
       t = self.totals.setdefault(stem(unit.key), [0, 0, 0.0, 0])
       t[0] += up.seen
       t[1] += up.correct
       t[2] += up.total_seconds
       t[3] += 1
-      left = sum(u.images for u in self.plan if u.key not in self.done)
-      rate = self.images / max(time.monotonic() - self.t0, 1e-9)
       all_here = t[3] == sum(stem(u.key) == stem(unit.key) for u in self.plan)  # every one of them run here
       n_done = len(self.done)
-    eta = f", about {_duration(left / rate)} left" if left and self.images else ""
+    left = self.time_left() if n_done < len(self.plan) else None
+    status = f"units {n_done} of {len(self.plan)} done" + (f", about {_duration(left)} left" if left else "")
     if unit.key != stem(unit.key):
-      self.log(f"{unit.key}: accuracy {100 * up.correct / max(up.seen, 1):.2f}% over {up.seen:,} images; units "
-               f"{n_done} of {len(self.plan)} done{eta}")
+      self.log(f"{unit.key}: accuracy {100 * up.correct / max(up.seen, 1):.2f}% over {up.seen:,} images; {status}")
     if all_here:
       seen, correct, seconds, _ = t
       self.log(f"{stem(unit.key)}: accuracy {100 * correct / max(seen, 1):.2f}% over {seen:,} images, "
                f"{seen / max(seconds, 1e-9):.1f} img/s end to end" +
-               (f"; units {n_done} of {len(self.plan)} done{eta}" if unit.key == stem(unit.key) else ""))
+               (f"; {status}" if unit.key == stem(unit.key) else ""))
+    return status
 
 
 def threading_name() -> str:

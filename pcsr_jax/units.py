@@ -1,4 +1,4 @@
-"""A run's units of work, the device groups that run them at once, and the claims that share them out.
+"""A run's units of work, the device groups that run them at once, and the queue that hands them out.
 
 A unit is one method and seed adapting from the source model over part of the stream: one domain where the
 setting puts the model back to the source between domains (normal, bs1, label_shifts) and the method's reset is
@@ -6,34 +6,26 @@ a whole one, else the whole stream (continual, gradual, mix_shifts and CCC's wal
 keeps its filter's variance). A unit's randomness is its own: the stream order comes from its seed
 (`streams.build`), its step's keys from its method's state at the source, which a per-domain unit starts from as
 the sequential run's reset does. So units give the same records in any order, one after another, several at
-once on groups of a host's devices (`device_groups`), or claimed by several workers (processes, SLURM tasks,
-hosts) that share the output folder (`Claims`).
-
-Claims live on the shared filesystem (``<output>/resume/claims``): a worker claims a unit by creating its file
-exclusively (``O_CREAT | O_EXCL``), keeps it fresh while it runs (its mtime, every quarter of the timeout), and a
-claim whose worker died (on this host: its process is gone; elsewhere: no heartbeat for ``timeout`` seconds) is
-taken over by renaming it away first (atomic: of two workers that race for it, one wins) and claimed anew; the
-unit then resumes from its saved progress. No server: only the filesystem's atomic create, rename and link.
+once on groups of a host's devices (`device_groups`), or on the actors of a Ray cluster
+(`pcsr_jax.ray_units`). A unit saves its own progress (`progress.Resume`), so a unit stopped or lost with its
+executor goes out again (`Queue`) and resumes where it was saved.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
+import re
 import signal
 import socket
 import threading
-import time
 from typing import Any, Optional, Sequence
 
-from pcsr_jax import progress
 from pcsr_jax.errors import UserError
 from pcsr_jax.methods.base import Method
 
 # Settings whose every segment starts from the source model: a unit per domain there.
 SPLIT_SETTINGS = ("normal", "bs1", "label_shifts")
-HEARTBEATS_PER_TIMEOUT = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,168 +72,54 @@ def device_groups(devices: Sequence[Any], per_unit: Optional[int], units: int) -
 
 
 def worker_id() -> str:
-  """This worker's name in claims and logs: host and process."""
+  """This process's name in logs and in the output folder's lock: host and process."""
   return f"{socket.gethostname()}:{os.getpid()}"
 
 
-class Claims:
-  """Which unit each executor (a device group of this process) runs next.
+# Passes of the backbone a forward (F) and a backward (B, about two forwards' work) stand for, in a method's
+# declared ``cost`` ("2F+2B", "65F+64B", "2F + 50 UNet F+B per image"); the first alternative of "a / b".
+_PASS = re.compile(r"(\d+)\s*(?:UNet\s+)?(F\+B|F|B)")
+_WEIGHT = {"F": 1.0, "B": 2.0, "F+B": 3.0}
 
-  Alone (``shared`` False), the units go out in plan order, each once, those already done skipped. Shared with
-  other workers (``--join``), a unit is also claimed on disk (``<output>/resume/claims/<unit>``) and skipped
-  while another worker holds it or has finished it; a heartbeat thread keeps this worker's claims and its
-  registration (``resume/workers/<worker>``) fresh."""
 
-  def __init__(self, units: Sequence[Unit], resume: progress.Resume, done: set, shared: bool = False,
-               timeout_s: float = 300.0):
-    self.units, self.resume, self.done, self.shared = list(units), resume, set(done), shared
-    self.timeout_s = timeout_s
-    self.me = worker_id()
-    self.dir = os.path.join(resume.dir, "claims")
+def declared_passes(method: Method) -> float:
+  """The forward-pass equivalents per batch that ``method.cost`` declares (its bracketed, sometimes-taken passes
+  left out): what a unit of it is expected to cost per image before one of its units has been timed."""
+  main = re.sub(r"\([^)]*\)", "", type(method).cost).split("/")[0]
+  return sum(int(n) * _WEIGHT[kind] for n, kind in _PASS.findall(main)) or 1.0
+
+
+class Queue:
+  """Which unit each executor (a device group of this process, or a Ray actor) runs next: the units in plan
+  order, each handed out once, those already done skipped; a unit given back unfinished (its executor stopped
+  or died) goes out again, first."""
+
+  def __init__(self, units: Sequence[Unit], done: set):
+    self.units, self.done = list(units), set(done)
     self._lock = threading.Lock()
     self._taken: set[str] = set()
-    self._held: dict[str, str] = {}  # unit key -> its claim file
-    self._stop = threading.Event()
-    self._beat: Optional[threading.Thread] = None
-    if shared:
-      os.makedirs(self.dir, exist_ok=True)
-      os.makedirs(os.path.join(resume.dir, "workers"), exist_ok=True)
-      self._touch(self._worker_file(), create=True)
-      self._beat = threading.Thread(target=self._heartbeat, daemon=True)
-      self._beat.start()
 
-  def _worker_file(self) -> str:
-    return os.path.join(self.resume.dir, "workers", self.me.replace(":", "_"))
-
-  def next(self) -> Optional[Unit]:
-    """The next unit for an executor of this process, claimed; None when none is left to claim."""
+  def next(self, prefer: Optional[tuple[str, int]] = None) -> Optional[Unit]:
+    """The next unit; with ``prefer`` (method, seed), the first of that method and seed if any is left (an
+    executor that has compiled its step runs the units it can reuse it for)."""
     with self._lock:
-      for u in self.units:
-        if u.key in self._taken or u.key in self.done:
-          continue
-        if self.shared and not self._claim(u.key):
-          continue
-        self._taken.add(u.key)
-        return u
-    return None
+      left = [u for u in self.units if u.key not in self._taken and u.key not in self.done]
+      if not left:
+        return None
+      unit = next((u for u in left if (u.method, u.seed) == prefer), left[0])
+      self._taken.add(unit.key)
+      return unit
 
   def finish(self, unit: Unit, done: bool) -> None:
-    """The executor is done with ``unit`` (``done``: finished; else stopped, its progress saved): its claim goes."""
+    """The executor is done with ``unit``: finished (``done``), or given back to go out again."""
     with self._lock:
+      self._taken.discard(unit.key)
       if done:
         self.done.add(unit.key)
-      path = self._held.pop(unit.key, None)
-    if path is not None:
-      try:
-        os.remove(path)
-      except FileNotFoundError:
-        pass
 
-  def _finished_elsewhere(self, key: str) -> bool:
-    try:
-      rec = self.resume.load_unit(key)
-    except UserError:
-      return False  # a damaged record: the claim decides, and its runner reports it
-    if rec is not None and rec.done:
-      self.done.add(key)
-      return True
-    return False
-
-  def _claim(self, key: str) -> bool:
-    path = self.resume.claim_path(key)
-    body = json.dumps(dict(worker=self.me, host=socket.gethostname(), pid=os.getpid(), since=time.time()))
-    for _ in range(2):  # a fresh claim, or a dead worker's taken over and claimed afresh
-      try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-      except FileExistsError:
-        if not self._stale(path) or not self._take_over(path):
-          return False
-        continue
-      with os.fdopen(fd, "w") as f:
-        f.write(body)
-      if self._finished_elsewhere(key):  # finished by another worker, before or while we claimed it
-        os.remove(path)
-        return False
-      self._held[key] = path
-      return True
-    return False
-
-  def _stale(self, path: str) -> bool:
-    """A claim whose worker is gone: on this host, its process; anywhere, its heartbeat older than the timeout."""
-    try:
-      with open(path) as f:
-        owner = json.load(f)
-      age = time.time() - os.stat(path).st_mtime
-    except FileNotFoundError:
-      return True
-    except (OSError, ValueError):
-      return False  # being written: not stale
-    if owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int):
-      if owner["pid"] == os.getpid():
-        return False
-      try:
-        os.kill(owner["pid"], 0)
-      except ProcessLookupError:
-        return True
-      except PermissionError:
-        pass
-    return age > self.timeout_s
-
-  def _take_over(self, path: str) -> bool:
-    """Moves a stale claim away; only one of the workers that race for it wins."""
-    try:
-      os.rename(path, f"{path}.stale-{self.me.replace(':', '_')}-{time.time_ns()}")
-    except FileNotFoundError:
-      return True  # gone already: claim it afresh
-    for f in os.listdir(self.dir):
-      if f.startswith(os.path.basename(path) + ".stale-"):
-        try:
-          os.remove(os.path.join(self.dir, f))
-        except FileNotFoundError:
-          pass
-    return True
-
-  @staticmethod
-  def _touch(path: str, create: bool = False) -> None:
-    try:
-      if create:
-        with open(path, "a"):
-          pass
-      os.utime(path)
-    except FileNotFoundError:
-      pass
-
-  def _heartbeat(self) -> None:
-    while not self._stop.wait(self.timeout_s / HEARTBEATS_PER_TIMEOUT):
-      with self._lock:
-        held = list(self._held.values())
-      for path in held:
-        self._touch(path)
-      self._touch(self._worker_file())
-
-  def workers_seen(self) -> int:
-    """How many workers have registered in the shared output folder (this one included)."""
-    try:
-      return len(os.listdir(os.path.join(self.resume.dir, "workers")))
-    except FileNotFoundError:
-      return 1
-
-  def wait_for_workers(self, expected: int, log) -> None:
-    """Waits up to the claim timeout for ``expected`` workers to register; fewer is a one-line error: an output
-    folder each host sees alone would have every worker run the whole table."""
-    deadline = time.monotonic() + self.timeout_s
-    while self.workers_seen() < expected:
-      if time.monotonic() > deadline:
-        raise UserError(f"--expect-workers {expected}: {self.workers_seen()} worker(s) registered in "
-                        f"{os.path.dirname(self._worker_file())} within {self.timeout_s:g} s; is --output a folder "
-                        f"every worker shares?")
-      time.sleep(min(1.0, self.timeout_s / 10))
-    log(f"{self.me}: {self.workers_seen()} workers share {os.path.dirname(self.resume.dir)}")
-
-  def close(self) -> None:
-    self._stop.set()
-    for unit in [u for u in self.units if u.key in self._held]:
-      self.finish(unit, False)
+  def left(self) -> int:
+    with self._lock:
+      return sum(u.key not in self.done for u in self.units)
 
 
 class Stop:

@@ -21,6 +21,9 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"),
                                                    "--xla_backend_optimization_level=1"]))
 jax.config.update("jax_default_matmul_precision", "highest")
+# Ray (`tests/test_ray_units.py`'s local clusters, the CLI runs with --executor ray): every node on 127.0.0.1,
+# never the address of the interface that routes outside. Ray reads it when imported, so before any test does.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 # A persistent compile cache lets identical programs (the same method rebuilt in another test, or in CI's second
 # pass) skip recompiling. It changes no result.
 # The CLI runs that tests start as subprocesses use the same cache through JAX's environment variables (a

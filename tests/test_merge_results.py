@@ -116,8 +116,8 @@ def test_runs_of_other_seeds_merge_unit_by_unit_and_a_method_with_fewer_seeds_sa
 
 def test_partial_takes_only_the_finished_units_of_a_run_under_way(run, tmp_path):
   """What the harness saves mid-run (the manifest and a record per unit, through `progress.Resume`): source's
-  units all finished, tent seed 1's first corruption finished and the rest not, one of those held by a worker.
-  Only source is merged, and the units left out are named (claimed or not)."""
+  units all finished, tent seed 1's first corruption finished and the rest not, one of those under way.
+  Only source is merged, and the units left out are named (under way or not started)."""
   from pcsr_jax import progress
 
   data, table = run
@@ -131,15 +131,14 @@ def test_partial_takes_only_the_finished_units_of_a_run_under_way(run, tmp_path)
       resume.save_unit(progress.UnitRecord(f"{r['method']}/seed{r['seed']}/{r['corruption']}", done=True,
                                            records=[r], curve={"seen": [n], "correct": [round(r["accuracy"] * n)]},
                                            throughput=dict(images=n, seconds=1.0, images_per_s=float(n))))
-  claims = os.path.join(resume.dir, "claims")
-  os.makedirs(claims)
-  open(os.path.join(claims, progress.unit_folder(f"tent/seed1/{CORR[1]}")), "w").close()
+  resume.save_unit(progress.UnitRecord(f"tent/seed1/{CORR[1]}", progress=progress.UnitProgress(
+      key=f"tent/seed1/{CORR[1]}", seen=48)))  # under way: its progress saved, not done
   with pytest.raises(UserError, match=r"under_way/results.json: not found"):
     merge_results.main([str(tmp_path / "under_way")])
   loaded = merge_results.load(str(tmp_path / "under_way"), partial=True)
   assert loaded["missing"] == [k for k in keys if k.startswith("tent/") and k != f"tent/seed1/{CORR[0]}"]
   line = merge_results.report_missing(loaded)
-  assert f"held by a worker: tent/seed1/{CORR[1]} (heartbeat" in line and f"unclaimed: tent/seed2/{CORR[0]}" in line
+  assert f"under way: tent/seed1/{CORR[1]} (48 images in)" in line and f"not started: tent/seed2/{CORR[0]}" in line
   rows = merge_results.merge([loaded]).strip().split("\n")
   assert len(rows) == 3 and rows[2].rstrip(" |").rsplit("|", 1)[0] + "|" == table.strip().split("\n")[2]
   with open(resume.path, "w") as f:

@@ -1,17 +1,15 @@
-"""A table's units on several device groups and workers (`pcsr_jax.units`): the plan, the claims on the shared
-folder, and whole runs: two units at once on a 2-device CPU, two worker processes, a worker killed mid-unit and
-taken over, all equal to one process running the units one after another, bit for bit; mismatched workers and
-an output folder no other worker sees are refused in one line."""
+"""A table's units (`pcsr_jax.units`): the plan, the queue, the cost-weighted time left, the output folder's lock,
+two units at once on a 2-device CPU equal to one process running them one after another, bit for bit, and a
+Ray worker that sees another table than its driver refused in one line (the Ray runs: `test_ray_units.py`)."""
 
 from __future__ import annotations
 
 import glob
 import json
 import os
-import signal
+import re
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -55,36 +53,66 @@ def test_device_groups():
     units.device_groups(cpus, 3, 30)
 
 
-def test_claims_hand_each_unit_out_once_take_over_a_dead_workers_and_skip_finished_ones(tmp_path):
-  plan = [units.Unit(f"tent/seed1/c{i}", "tent", 1, (i,), 8) for i in range(4)]
-  resume = progress.Resume(str(tmp_path))
-  resume.start(dict(config_key="k", data_key="d", units=[u.key for u in plan], source_keys={}))
-  a = units.Claims(plan, resume, set(), shared=True, timeout_s=60)
-  b = units.Claims(plan, resume, set(), shared=True, timeout_s=60)
-  got_a, got_b = a.next(), b.next()
-  assert (got_a.key, got_b.key) == ("tent/seed1/c0", "tent/seed1/c1")  # b skips a's live claim
-  resume.save_unit(progress.UnitRecord("tent/seed1/c2", done=True))  # finished by a third worker
-  assert b.next().key == "tent/seed1/c3" and b.next() is None
-  # A claim of a process that is gone, on this host: taken over at once, not after the timeout.
-  dead = subprocess.Popen([sys.executable, "-c", "pass"])
-  dead.wait()
-  path = os.path.join(a.dir, progress.unit_folder("tent/seed1/c0"))
-  with open(path, "w") as f:
-    json.dump(dict(worker="gone", host=os.uname().nodename, pid=dead.pid), f)
-  c = units.Claims(plan, resume, set(), shared=True, timeout_s=60)
-  assert c.next().key == "tent/seed1/c0"
-  # Elsewhere, only a heartbeat older than the timeout gives a claim up.
-  b.finish(got_b, done=False)
-  path = os.path.join(a.dir, progress.unit_folder("tent/seed1/c1"))
-  with open(path, "w") as f:
-    json.dump(dict(worker="far", host="another-host", pid=1), f)
-  assert c.next() is None
-  old = time.time() - 120
-  os.utime(path, (old, old))
-  assert c.next().key == "tent/seed1/c1"
-  assert a.workers_seen() == 1  # the three share this process: one worker registered
-  for x in (a, b, c):
-    x.close()
+def test_the_queue_hands_each_unit_out_once_prefers_a_compiled_step_and_takes_units_back():
+  plan = units.plan("normal", [1], {"tent": methods.get("tent"), "sar": methods.get("sar")},
+                    {1: segments("normal", n=2)})
+  q = units.Queue(plan, done={"tent/seed1/c0"})
+  assert q.left() == 3
+  first = q.next(prefer=("sar", 1))
+  assert first.key == "sar/seed1/c0"  # the executor's compiled method first, over plan order
+  second = q.next()
+  assert second.key == "tent/seed1/c1"
+  q.finish(second, done=False)  # its executor was lost: it goes out again
+  assert q.next(prefer=("sar", 1)).key == "sar/seed1/c1" and q.next().key == "tent/seed1/c1" and q.next() is None
+  q.finish(first, done=True)
+  assert q.left() == 2
+
+
+def test_declared_passes_weigh_a_method_by_its_cost():
+  assert units.declared_passes(methods.get("source")) == 1  # 1F
+  assert units.declared_passes(methods.get("sar")) == 6  # 2F+2B, a backward two forwards' work
+  assert units.declared_passes(methods.get("memo")) == 65 + 2 * 64  # 65F+64B
+  assert units.declared_passes(methods.get("cotta")) == 5  # 3F+1B (+32F when triggered): the bracket left out
+  assert units.declared_passes(methods.get("dpcore")) == 4  # 2F+1B (known) / 52F+50B (new): the first
+  assert units.declared_passes(methods.get("dda")) == 2 + 3 * 50  # 2F + 50 UNet F+B per image
+
+
+def test_the_time_left_weighs_the_units_left_by_their_expected_cost():
+  """A Source unit timed, a MEMO unit left: the MEMO unit costs its declared passes at Source's seconds per pass
+  (193 times a Source unit), not its images; once a MEMO unit is timed, its own seconds per image count."""
+  from pcsr_jax import runlog
+
+  plan = [units.Unit(f"{m}/seed1/c{i}", m, 1, (i,), 100) for m in ("source", "memo") for i in range(3)]
+  lines = []
+  t = runlog.Units(plan, set(), lines.append, say_starts=False, passes={"source": 1.0, "memo": 193.0})
+  assert t.time_left() is None  # nothing timed yet
+  done = type("Up", (), dict(seen=100, correct=50, total_seconds=1.0))
+  t.finish(plan[0], done)
+  # 10 s of wall time for 1 s of Source's cost: left 2 Source units (2 s) + 3 MEMO units (3 x 193 s)
+  assert t.time_left(now=t.t0 + 10) == pytest.approx(10 * (2 * 1.0 + 3 * 193.0) / 1.0)
+  assert "units 1 of 6 done, about" in lines[-1]
+  t.finish(plan[3], type("Up", (), dict(seen=100, correct=10, total_seconds=50.0)))  # MEMO timed: 0.5 s/image
+  # done: Source 1 s + MEMO 50 s of cost in the 20 s; left: 2 Source (2 s), 2 MEMO (100 s)
+  assert t.time_left(now=t.t0 + 20) == pytest.approx(20 * (2.0 + 100.0) / 51.0)
+
+
+def test_a_second_run_on_one_output_is_refused_naming_the_holder(tmp_path):
+  """Another process's run on a held folder is refused in one line naming the holder; a block of the holding
+  process takes it again (the built-in command around its run); once the holder is gone the folder is free."""
+  from pcsr_jax import lock
+
+  out = str(tmp_path / "o")
+  other = [sys.executable, "-c", "import sys; from pcsr_jax import cli, lock; "
+           "cli.run_cli(lambda a: lock.hold(sys.argv[1], 'second run').__enter__())", out]
+  with lock.hold(out, "first run"):
+    with lock.hold(out, "the same run, inside"):
+      pass
+    r = subprocess.run(other, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and re.fullmatch(
+        rf"-c: error: --output {out}: in use by the run {os.uname().nodename}:{os.getpid()} \(since "
+        r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d: first run\); wait for it to end, or give another --output\n", r.stderr), r.stderr
+  r = subprocess.run(other, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0, r.stderr  # released when the first run ended (or died: flock goes with the process)
 
 
 def cli(*args, timeout=900):
@@ -126,75 +154,35 @@ def test_two_units_at_once_on_two_devices_equal_one_after_another(sequential, tm
   assert res["kernels"] == dict(platform="cpu", attention="matmul", cpu_backward=True)  # what auto ran here
 
 
-@pytest.mark.slow
-def test_two_workers_on_one_output_equal_one_process(sequential, tmp_path):
-  out = tmp_path / "workers"
-  procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "experiments", "imagenet_c.py"), *ARGS, "--join",
-                             "--expect-workers", "2", "--output", str(out)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True) for _ in range(2)]
-  logs = [p.communicate(timeout=900) for p in procs]
-  assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in logs]
-  ran = [sum(" started (" in line for line in o.splitlines()) for o, _ in logs]
-  assert sum(ran) == 4 and min(ran) >= 1, ran  # each unit once, both workers busy
-  assert sum("wrote " in o for o, _ in logs) == 1  # one worker wrote the table
-  assert not any("alone" in o for o, _ in logs)
-  same_tables(sequential, out)
-  assert not (out / "resume").exists()
-
-
-@pytest.mark.slow
-def test_a_killed_worker_is_taken_over_and_the_table_is_the_same(sequential, tmp_path):
-  out = tmp_path / "killed"
-  args = [sys.executable, os.path.join(ROOT, "experiments", "imagenet_c.py"), *ARGS, "--join", "--output", str(out)]
-  p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  deadline = time.time() + 600
-  while time.time() < deadline and not any(u["key"].startswith("tent") and u["batch"] >= 2
-                                           for u in hf.open_units(out)):
-    time.sleep(0.05)
-  p.send_signal(signal.SIGKILL)
-  p.wait()
-  held = os.listdir(out / "resume" / "claims")
-  assert len(held) == 1  # the dead worker's claim stays behind
-  r = subprocess.run(args, capture_output=True, text=True, timeout=900)  # a new worker, on this host
-  assert r.returncode == 0, r.stderr[-3000:]
-  same_tables(sequential, out)
-
-
-def test_mismatched_workers_and_an_output_no_one_else_sees_are_refused(tmp_path):
+def test_a_worker_that_sees_other_settings_checkpoint_or_data_than_the_driver_is_refused(tmp_path):
+  """A Ray actor sets up as a worker of the driver's table (`run_setup.setup(worker=True)`): a node with other
+  settings, another checkpoint or other data than the driver's manifest says is refused in one line, before it
+  runs a unit; so is a node that does not see the driver's --output."""
   world = hf.make_world(tmp_path, CORR, classes=2, per_class=4)
   out = tmp_path / "o"
   cfg = dict(data=str(world / "data"), checkpoint=str(world / "ckpt"), output=str(out), corruptions=CORR,
-             methods=("source", "tent"), seeds=(1,), batch_size=4, progress=False, join=True)
-  # The first worker's manifest (`run_setup.setup` writes it and claims nothing), then workers started otherwise:
-  # each refused in one line before it claims a unit.
-  run_setup.setup(harness.RunConfig(**cfg), lambda *a: None).loader.close()
+             methods=("source", "tent"), seeds=(1,), batch_size=4, progress=False, executor="ray")
+  with pytest.raises(UserError, match=r"no progress of the driver in --output .*; put --output on a filesystem "
+                                      r"every node of the cluster shares$"):
+    run_setup.setup(harness.RunConfig(**cfg), lambda *a: None, worker=True)
+  run_setup.setup(harness.RunConfig(**cfg), lambda *a: None).loader.close()  # the driver's manifest
+  worker = run_setup.setup(harness.RunConfig(**cfg), lambda *a: None, worker=True)
+  worker.loader.close()
+  assert worker.done == set() and len(worker.groups) == 1
   other_ckpt = str(tmp_path / "other_ckpt")
   hf.make_checkpoint(other_ckpt, seed=7)
   one = sorted(glob.glob(str(world / "data" / "fog" / "5" / "*" / "*.JPEG")))[0]
   for change, what in ((dict(seeds=(2,)), r"its settings \(seeds\)"),
                        (dict(checkpoint=other_ckpt), r"the params of --checkpoint .*other_ckpt"),
                        ("an image less", r"its data \(images added, removed or relabelled\)")):
-    if change == "an image less":  # the same --data as the first worker's, as this worker sees it
+    if change == "an image less":  # the same --data as the driver's, as this node sees it
       os.rename(one, one + ".away")
       change = {}
-    with pytest.raises(UserError, match=rf"progress.json: this worker differs from the others of this table in "
-                                        rf"{what}; start every worker alike, or use another --output$"):
-      harness.run(harness.RunConfig(**{**cfg, **change}), log=lambda *a: None)
+    with pytest.raises(UserError, match=rf"progress.json: the worker {os.uname().nodename} differs from the driver "
+                                        rf"of this table in {what}; give every node of the cluster the same "
+                                        rf"checkpoint and data$"):
+      run_setup.setup(harness.RunConfig(**{**cfg, **change}), lambda *a: None, worker=True)
   os.rename(one + ".away", one)
-  assert not glob.glob(str(out / "resume" / "claims" / "*"))  # nothing claimed
-  progress.Resume(str(out)).clear()
-  lines = []
-  res = harness.run(harness.RunConfig(**{**cfg, "methods": ("source",)}), log=lines.append)
-  assert res["complete"] and not (out / "resume").exists()
-  assert any("ran every unit of this table alone, no other worker registered" in line for line in lines)
-  with pytest.raises(UserError, match=r"results.json holds a finished table of another configuration"):
-    harness.run(harness.RunConfig(**cfg), log=lambda *a: None)
-  again = harness.run(harness.RunConfig(**{**cfg, "methods": ("source",)}), log=lines.append)
-  assert again["records"] == res["records"] and any("this table is complete" in line for line in lines)
-  with pytest.raises(UserError, match=r"^--expect-workers 2: 1 worker\(s\) registered in .* within 1 s; is "
-                                      r"--output a folder every worker shares\?$"):
-    harness.run(harness.RunConfig(**{**cfg, "output": str(tmp_path / "alone"), "expect_workers": 2,
-                                     "claim_timeout": 1.0}), log=lambda *a: None)
 
 
 @pytest.mark.slow
@@ -205,7 +193,7 @@ def test_the_table_benchmark_runs_three_ways_and_finds_their_records_equal():
   assert r.returncode == 0, r.stderr[-3000:]
   rows = [line for line in r.stdout.splitlines() if line.startswith("| ") and line.endswith("x |")]
   assert len(rows) == 3 and rows[0].endswith("| 1.00x |"), r.stdout
-  assert "equal (timings aside): True; the split way's equal them: True" in r.stdout, r.stdout
+  assert "Ray's ways equal (timings aside): True; the split way's equal them: True" in r.stdout, r.stdout
   bad = subprocess.run([sys.executable, "-m", "benchmarks.table_parallel", "--devices", "0"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
   assert bad.returncode == 2 and bad.stderr.strip().endswith("--devices and --images must be positive, got 0, "

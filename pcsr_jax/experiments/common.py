@@ -85,13 +85,11 @@ def parser(prog: str, description: str, presets: dict) -> ArgumentParser:
   g.add_argument("--devices-per-unit", type=int, help="devices per unit of work (a method and seed on a domain, "
                  "or on the whole stream): one unit per group of local devices at once (default: 1 on a GPU/TPU "
                  "host with more units than devices, else all devices, each batch split over them)")
-  g.add_argument("--join", action="store_true", help="run as one of the workers of a table shared through "
-                 "--output: start the same command on every worker (processes, SLURM tasks, hosts); each claims "
-                 "the next unit as it frees up, and the last to finish writes the table")
-  g.add_argument("--claim-timeout", type=float, help="--join: seconds without a heartbeat after which a dead "
-                 "worker's unit is taken over (default 300; on one host, a dead process's at once)")
-  g.add_argument("--expect-workers", type=int, help="--join: wait for this many workers to register before "
-                 "claiming anything (refused if they do not: an --output not shared by every host)")
+  g.add_argument("--executor", choices=["threads", "ray"], help="threads (default): this host's device groups; "
+                 "ray: one Ray actor per device group of a Ray cluster (pip install -e \".[ray]\"), which restarts "
+                 "lost actors and nodes' units; the driver writes the table")
+  g.add_argument("--ray-address", help="--executor ray: the cluster's head, HOST:PORT or auto (default: a local "
+                 "Ray instance on 127.0.0.1)")
   g = p.add_argument_group("multi-process runs (jax.distributed; one process per host, a shared --output)")
   g.add_argument("--coordinator", help="HOST:PORT of process 0 (with --num-processes and --process-id)")
   g.add_argument("--num-processes", type=int)
@@ -284,8 +282,8 @@ def inapplicable(dest: str, value, cfg, builtin: bool) -> Optional[str]:
     return "for --setting label_shifts"
   if dest == "imbalance_ratio" and cfg.label_shift_indices:
     return "--label-shift-indices gives the label-shift stream itself"
-  if dest in ("claim_timeout", "expect_workers") and not cfg.join:
-    return "for workers of a shared table (--join)"
+  if dest == "ray_address" and cfg.executor != "ray":
+    return "for --executor ray"
   if dest.startswith("ccc_") and cfg.setting != "ccc":
     return "for --setting ccc"
   if dest in ("severity", "corruptions") and not spec.has_severity:

@@ -20,6 +20,7 @@ update, and prints the two side by side.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Sequence
 
 from pcsr_jax import methods
@@ -45,15 +46,26 @@ PRESETS = {
 
 def builtin_run(a) -> int:
   """No --data: the built-in Fashion-MNIST-C benchmark (see pcsr_jax/experiments/builtin.py)."""
-  import dataclasses
   import time
 
-  from pcsr_jax import checkpoint, distributed, harness, runlog
+  from pcsr_jax import distributed, lock, runlog
 
   t0 = time.time()
   cfg = configs(a)[""]
-  # Process 0 speaks, into <output>/log.txt too (the runs' own lines join it).
-  say = runlog.Log(cfg.output, cfg.resume) if distributed.is_main() else lambda *a, **k: None
+  if not distributed.is_main():
+    return _builtin_runs(a, cfg, t0, lambda *a, **k: None)
+  with lock.hold(cfg.output, " ".join(sys.argv)):  # before the header goes into log.txt: one run per folder
+    # Process 0 speaks, into <output>/log.txt too (the runs' own lines join it).
+    return _builtin_runs(a, cfg, t0, runlog.Log(cfg.output, cfg.resume))
+
+
+def _builtin_runs(a, cfg, t0: float, say) -> int:
+  """The built-in benchmark's header, its run (or one per eval order) and its closing line."""
+  import dataclasses
+  import time
+
+  from pcsr_jax import checkpoint, harness
+
   acc = checkpoint.load_meta(cfg.checkpoint, kind="vit").get("training", {}).get("clean_test_accuracy")
   say(f"no --data: built-in benchmark, Fashion-MNIST-C (real Fashion-MNIST test images, CIFAR-10-C-strength "
       f"corruptions), {_describe(cfg, a)}; seeds {','.join(map(str, cfg.seeds))}, batch {cfg.batch_size}; source "

@@ -9,7 +9,7 @@ layout of `results.table` with one more column: each method's images/s, the medi
 it adapted on over the seconds they took, followed by its seeds where a method has fewer than another.
 ``--partial`` also takes the finished units of a run still under way (its ``resume/``), so that a run whose
 slowest methods are left to finish elsewhere still gives its finished ones; it says which units are missing and
-which a worker holds, with its last heartbeat.
+which of them are under way (with saved progress).
 
 A long run split over processes that share a machine (or were paused) times each unit against its neighbours,
 so its img/s say little about a method's speed. ``--speed RUN`` takes the img/s column from another finished
@@ -23,7 +23,6 @@ import json
 import math
 import os
 import sys
-import time
 from typing import Sequence
 
 import numpy as np
@@ -42,8 +41,8 @@ SAME_SPEED = ("data", "dataset", "setting", "batch_size", "dtype")
 def load_progress(run: str) -> dict:
   """The finished (method, seed)s of a run still under way, from its ``resume/`` (what ``--resume`` reads: the
   manifest and each unit's record), in `load`'s form: their records and images/s only, a (method, seed) whose
-  units are not all finished left out. ``missing`` lists the units not finished, ``claims`` those a worker holds
-  (with the seconds since its last heartbeat: a large one is a dead worker's, taken over after the timeout)."""
+  units are not all finished left out. ``missing`` lists the units not finished, ``under_way`` those with saved
+  progress (the batch they saved at)."""
   from pcsr_jax import progress
 
   resume = progress.Resume(run)
@@ -60,23 +59,20 @@ def load_progress(run: str) -> dict:
   missing = [k for k in keys if recs[k] is None or not recs[k].done]
   open_stems = {progress.stem(k) for k in missing}
   merged = progress.merge([r for k, r in recs.items() if k not in missing and progress.stem(k) not in open_stems])
-  claims = {}
-  for k in missing:
-    path = resume.claim_path(k)
-    if os.path.isfile(path):
-      claims[k] = time.time() - os.stat(path).st_mtime
+  under_way = {k: recs[k].progress.seen for k in missing if recs[k] is not None and recs[k].progress is not None}
   return dict(config=config, records=merged.records, throughput=merged.throughput, complete=False, path=resume.path,
-              missing=missing, claims=claims)
+              missing=missing, under_way=under_way)
 
 
 def report_missing(run: dict) -> str:
-  """One line on a run under way's units not finished: how many, which, and the claims' heartbeats."""
+  """One line on a run under way's units not finished: how many, which are under way and how far, which not
+  started."""
   if not run.get("missing"):
     return ""
-  held = ", ".join(f"{k} (heartbeat {age:.0f} s ago)" for k, age in run["claims"].items())
-  free = [k for k in run["missing"] if k not in run["claims"]]
+  going = ", ".join(f"{k} ({seen:,} images in)" for k, seen in run["under_way"].items())
+  fresh = [k for k in run["missing"] if k not in run["under_way"]]
   return (f"{run['path']}: {len(run['missing'])} unit(s) not finished, left out with their method and seed"
-          + (f"; held by a worker: {held}" if held else "") + (f"; unclaimed: {', '.join(free)}" if free else ""))
+          + (f"; under way: {going}" if going else "") + (f"; not started: {', '.join(fresh)}" if fresh else ""))
 
 
 def load(run: str, partial: bool = False) -> dict:

@@ -1,0 +1,290 @@
+"""A table's units on a Ray cluster (``--executor ray``): Ray schedules and restarts, we only hand out units.
+
+The driver (the process that ran the command) plans the units as every run does (`units.plan`), holds the output
+folder's lock, and writes results.json, the table and the plots. Ray runs a pool of actors, one per device group
+(``num_gpus`` = ``--devices-per-unit``, default 1, on a cluster with GPUs; ``num_cpus`` = that many on a
+CPU-only one). Each actor sets up once (the checkpoint, the data, the driver's saved progress checked against its
+own view: `run_setup.setup` as a worker) and runs the units the driver hands it one after another, keeping the
+adapter of its last method and seed, so a method's step is compiled once per actor; the driver hands an actor
+the units it can reuse its step for first. JAX's persistent compilation cache lives in ``<output>/jax_cache`` (or
+where ``JAX_COMPILATION_CACHE_DIR`` says), so an actor Ray restarts and a later run load their compiles instead of
+redoing them.
+
+Faults are Ray's to handle: an actor whose process dies is restarted by Ray (``max_restarts=-1``), on its node
+or, when the node is gone, on another with room; the unit it was running is handed out again to the next free
+actor and resumes from its saved progress (every ``--checkpoint-every`` batches, `progress.Resume`), so no unit
+is recorded twice. A driver that dies takes its actors with it; rerun the command with ``--resume``: finished
+units are skipped, started ones resume. Ctrl-C or SIGTERM asks every actor to save its unit at its next batch.
+
+``--output`` (and ``--data``, the checkpoint) must be on a filesystem every node shares, at the same path, as for
+any multi-host run. ``--ray-address`` names a running cluster (``HOST:PORT`` of its head, or ``auto``); without
+it the driver starts a local Ray instance bound to 127.0.0.1 and stops it at the end.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from pcsr_jax import runlog, units
+from pcsr_jax.errors import UserError
+
+INSTALL = 'pip install -e ".[ray]" (or pip install "ray>=2.40")'
+CONNECT_TIMEOUT_S = 20.0  # ray.init on an address that answers but holds no Ray cluster would retry for minutes
+MAX_LOSSES = 3  # a unit whose actor died this many times stops the run (it is what kills them)
+NO_ACTOR_S = 600.0  # with units left and no actor up or running, give up after this long
+CACHE = "jax_cache"
+
+
+def require_ray():
+  """The ``ray`` module, or a one-line error saying how to install it."""
+  try:
+    import ray
+  except ImportError:
+    raise UserError(f"--executor ray: Ray is not installed; {INSTALL}") from None
+  return ray
+
+
+def connect(address: Optional[str]) -> Callable[[], None]:
+  """Connects to the cluster at ``address`` (None: starts a local instance bound to 127.0.0.1); returns what
+  disconnects (and stops a local instance). An address that is malformed or closed is a one-line error at once;
+  one that answers without a Ray cluster behind it (``ray.init`` would retry for minutes) ends the command with a
+  one-line error after `CONNECT_TIMEOUT_S` (nothing has run yet: there is no work to lose)."""
+  if address is None:
+    # Ray takes a local node's address from the interface that routes outside, unless told it runs alone: a
+    # local instance then talks over 127.0.0.1 only. Read when Ray is imported, and by the processes it starts.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+  ray = require_ray()
+  where = f"--ray-address {address}" if address else "--executor ray (a local Ray instance)"
+  kw: dict[str, Any] = dict(log_to_driver=False, configure_logging=False)
+  if address is None:
+    kw.update(_node_ip_address="127.0.0.1", include_dashboard=False)
+  else:
+    check_address(address)
+    kw.update(address=address)
+  # Ray's core logs its retries to stderr while it connects: the command's own line says what went wrong.
+  stderr = os.dup(2)
+  quiet = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(quiet, 2)
+  watchdog = threading.Timer(CONNECT_TIMEOUT_S, _give_up, (stderr, f"{where}: no Ray cluster answered within "
+                                                                  f"{CONNECT_TIMEOUT_S:.0f} s"))
+  watchdog.daemon = True
+  watchdog.start()
+  try:
+    ray.init(**kw)  # in the main thread: a local instance started from another thread loses its GCS
+  except Exception as e:  # noqa: BLE001 -- one line, whatever Ray raised
+    text = str(e).strip().splitlines()
+    raise UserError(f"{where}: cannot connect ({type(e).__name__}{': ' + text[0] if text else ''})") from None
+  finally:
+    watchdog.cancel()
+    os.dup2(stderr, 2)
+    os.close(stderr)
+    os.close(quiet)
+  return ray.shutdown
+
+
+def _give_up(stderr: int, line: str) -> None:
+  """The connection watchdog: the command's one line and exit 2, as `cli.run_cli` ends on a `UserError`."""
+  prog = sys.argv[0].rsplit("/", 1)[-1] if sys.argv and sys.argv[0] else "pcsr_jax"
+  os.write(stderr, f"{prog}: error: {line}\n".encode())
+  os._exit(2)
+
+
+def check_address(address: str) -> None:
+  """``HOST:PORT`` must parse and accept a TCP connection (``auto`` and ``ray://`` addresses are Ray's to
+  resolve)."""
+  if address == "auto" or address.startswith("ray://"):
+    return
+  host, sep, port = address.rpartition(":")
+  if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    raise UserError(f"--ray-address {address}: expected HOST:PORT of the cluster's head (its GCS, 6379 by "
+                    f"default), auto, or ray://HOST:PORT")
+  try:
+    socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+  except OSError as e:
+    raise UserError(f"--ray-address {address}: no Ray cluster there ({e.strerror or type(e).__name__}); start "
+                    f"one with `ray start --head`") from None
+
+
+def pool(resources: dict, devices_per_unit: Optional[int], n_units: int) -> tuple[int, dict]:
+  """``(actors, their resource options)``: one actor per ``devices_per_unit`` GPUs of the cluster (default 1),
+  or on a cluster without GPUs per that many CPUs; no more actors than units."""
+  per = devices_per_unit or 1
+  if resources.get("GPU", 0) >= 1:
+    n, opts, what = int(resources["GPU"] // per), dict(num_gpus=per, num_cpus=1), "GPU"
+  else:
+    n, opts, what = int(resources.get("CPU", 0) // per), dict(num_cpus=per), "CPU"
+  if n < 1:
+    raise UserError(f"--devices-per-unit {per}: the Ray cluster has {resources.get(what, 0):g} {what}s, fewer "
+                    f"than one unit needs")
+  return min(n, max(n_units, 1)), opts
+
+
+class UnitRunner:
+  """A Ray actor's work: set up once (`start`), then run units by key (`run`), each from its saved progress; a
+  second thread of the actor takes `request_stop`."""
+
+  def __init__(self, cfg: Any, extra_methods: dict, paths: list):
+    for p in paths:  # where the driver found the --methods module:Class files
+      if p not in sys.path:
+        sys.path.append(p)
+    self.cfg, self.extra_methods = cfg, extra_methods
+    self.setup: Any = None
+    self.stop = _ActorStop()
+    self.adapter: Any = None
+    self.last: Optional[tuple] = None
+    self.where = f"{socket.gethostname()}:{os.getpid()}"
+
+  def start(self) -> str:
+    """Sets up (idempotent); returns where this actor runs."""
+    if self.setup is None:
+      import jax
+
+      from pcsr_jax import methods, run_setup
+
+      if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):  # a cache the user set up stays theirs
+        jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.abspath(self.cfg.output), CACHE))
+      for spec in self.extra_methods.values():
+        methods.load(spec)
+      self.setup = run_setup.setup(self.cfg, lambda *a, **k: None, worker=True)
+      self.where += f" ({', '.join(sorted({d.platform for d in jax.local_devices()}))} x{len(jax.local_devices())})"
+    return self.where
+
+  def run(self, key: str) -> dict:
+    """Runs the unit ``key`` from its saved progress; what the driver's progress lines need of it."""
+    from pcsr_jax import harness
+
+    self.start()
+    unit = next(u for u in self.setup.units if u.key == key)
+    if (unit.method, unit.seed) != self.last:
+      self.adapter = harness.make_adapter(self.setup, unit, self.setup.groups[0])
+      self.last = (unit.method, unit.seed)
+    self.stop.requested = False
+    done = harness.run_unit(self.setup, unit, self.adapter, self.stop, None, lambda *a, **k: None)
+    rec = self.setup.finished.pop(key, None)
+    if not done or rec is None:
+      return dict(done=False)
+    n = sum(r["num_samples"] for r in rec.records)
+    correct = sum(round(r["accuracy"] * r["num_samples"]) for r in rec.records)
+    return dict(done=True, seen=n, correct=correct, total_seconds=rec.throughput["seconds"])
+
+  def request_stop(self) -> None:
+    self.stop.requested = True
+
+
+class _ActorStop:
+  """A stop flag as `units.Stop` has it, set by the driver (`UnitRunner.request_stop`), not by a signal."""
+
+  requested = False
+
+
+@dataclasses.dataclass
+class _Done:
+  """What `runlog.Units.finish` reads of a unit an actor finished."""
+
+  seen: int
+  correct: int
+  total_seconds: float
+
+
+def execute(setup: Any, queue: units.Queue, tracker: runlog.Units, stop: Any, log) -> bool:
+  """Runs the queue's units on the cluster's actors; False when stopped (every unit's progress saved)."""
+  ray = require_ray()
+  cfg = setup.cfg
+  left = queue.left()
+  if not left:
+    return True
+  disconnect = connect(cfg.ray_address)
+  actors: list = []
+  try:
+    resources = ray.cluster_resources()
+    n, opts = pool(resources, cfg.devices_per_unit, left)
+    log(f"Ray cluster {cfg.ray_address or '(local, 127.0.0.1)'}: {resources.get('CPU', 0):g} CPUs, "
+        f"{resources.get('GPU', 0):g} GPUs; {n} actor(s) of {opts} for {left} unit(s) left")
+    from pcsr_jax import methods
+
+    extra = {m: methods.origin(m) for m in cfg.methods if not methods.origin(m).startswith("pcsr_jax.")}
+    worker_cfg = dataclasses.replace(cfg, progress=False)
+    runner = ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=2)(UnitRunner)
+    actors = [runner.options(**opts).remote(worker_cfg, extra, [os.getcwd()] + sys.path) for _ in range(n)]
+    return _drive(ray, actors, queue, tracker, stop, log)
+  finally:
+    for a in actors:
+      ray.kill(a, no_restart=True)
+    disconnect()
+
+
+def _drive(ray, actors: list, queue: units.Queue, tracker: runlog.Units, stop: Any, log) -> bool:
+  """The driver's loop: an actor that is up gets the next unit (its last method and seed's first); a finished
+  unit is recorded; a lost one goes out again, and its actor is waited for until Ray has restarted it."""
+  lost_errors = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+  inflight: dict = {}  # ObjectRef -> (actor index, its unit, or None for a start)
+  where = [""] * len(actors)
+  last: list[Optional[tuple]] = [None] * len(actors)
+  idle: set[int] = set()  # actors up with nothing to run
+  losses: collections.Counter = collections.Counter()
+  status = ""
+  for i, a in enumerate(actors):
+    inflight[a.start.remote()] = (i, None)
+  running_since = time.monotonic()
+  while queue.left() and not stop.requested:
+    for i in sorted(idle):  # units handed back (a lost actor's) go to the actors that are up and idle
+      nxt = queue.next(prefer=last[i])
+      if nxt is None:
+        break
+      idle.discard(i)
+      last[i] = (nxt.method, nxt.seed)
+      tracker.start(nxt, where[i])
+      name = f"{nxt.key} [{status or 'no unit done yet'}]"  # the dashboard's task list shows the table's progress
+      inflight[actors[i].run.options(name=name).remote(nxt.key)] = (i, nxt)
+    ready, _ = ray.wait(list(inflight), num_returns=1, timeout=0.5)
+    if any(u is not None for _, u in inflight.values()):
+      running_since = time.monotonic()
+    elif time.monotonic() - running_since > NO_ACTOR_S:
+      raise UserError(f"--executor ray: no actor could be started or restarted in {NO_ACTOR_S:.0f} s with "
+                      f"{queue.left()} unit(s) left; does the cluster have the resources (--devices-per-unit)?")
+    if not ready:
+      continue
+    i, unit = inflight.pop(ready[0])
+    try:
+      out = ray.get(ready[0])
+    except lost_errors as e:
+      where[i] = ""
+      if unit is not None:
+        queue.finish(unit, done=False)
+        losses[unit.key] += 1
+        log(f"{unit.key}: its actor was lost ({type(e).__name__}); handed out again, from its saved progress")
+        if losses[unit.key] >= MAX_LOSSES:
+          raise UserError(f"{unit.key}: {MAX_LOSSES} actors died running it; see the Ray logs of its nodes "
+                          f"(out of memory?)") from None
+      inflight[actors[i].start.remote()] = (i, None)  # answered once Ray has restarted the actor
+      continue
+    except ray.exceptions.RayTaskError as e:
+      cause = getattr(e, "cause", None)
+      if isinstance(cause, UserError):
+        raise UserError(f"{where[i] or 'a Ray actor'}: {cause}") from None
+      raise
+    if unit is None:
+      if not where[i]:
+        log(f"Ray actor {i} up on {out}")
+      where[i] = out
+    elif out["done"]:
+      queue.finish(unit, done=True)
+      status = tracker.finish(unit, _Done(out["seen"], out["correct"], out["total_seconds"]))
+    else:
+      queue.finish(unit, done=False)
+    idle.add(i)
+  if not stop.requested:
+    return True
+  for a in actors:
+    a.request_stop.remote()
+  pending = [r for r, (_, u) in inflight.items() if u is not None]
+  if pending:
+    ray.wait(pending, num_returns=len(pending), timeout=120)
+  return False
