@@ -75,7 +75,10 @@ def device_groups(devices: Sequence[Any], per_unit: Optional[int], units: int) -
   if per_unit is None:
     per_unit = 1 if devices and devices[0].platform in ("gpu", "tpu") and units > n else n
   if not 1 <= per_unit <= n:
-    raise UserError(f"--devices-per-unit: expected 1 to {n} (the local devices), got {per_unit}")
+    cpu = bool(devices) and devices[0].platform == "cpu"
+    raise UserError(f"--devices-per-unit: expected 1 to {n} (the local devices), got {per_unit}" +
+                    (f"; on a CPU host, --cpu-devices {per_unit} splits the CPU into {per_unit} devices" if cpu
+                     else ""))
   return [list(devices[i:i + per_unit]) for i in range(0, n - per_unit + 1, per_unit)]
 
 

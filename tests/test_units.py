@@ -51,8 +51,11 @@ def test_device_groups():
   assert [len(g) for g in units.device_groups(gpus, None, 30)] == [1] * 8  # more units than GPUs: one each
   assert [len(g) for g in units.device_groups(gpus, None, 4)] == [8]
   assert [len(g) for g in units.device_groups(gpus, 3, 30)] == [3, 3]  # two devices left idle
-  with pytest.raises(UserError, match=r"^--devices-per-unit: expected 1 to 2 \(the local devices\), got 3$"):
+  with pytest.raises(UserError, match=r"^--devices-per-unit: expected 1 to 2 \(the local devices\), got 3; on a "
+                                     r"CPU host, --cpu-devices 3 splits the CPU into 3 devices$"):
     units.device_groups(cpus, 3, 30)
+  with pytest.raises(UserError, match=r"^--devices-per-unit: expected 1 to 8 \(the local devices\), got 9$"):
+    units.device_groups(gpus, 9, 30)  # a GPU host: no word of --cpu-devices
 
 
 def test_claims_hand_each_unit_out_once_take_over_a_dead_workers_and_skip_finished_ones(tmp_path):

@@ -22,16 +22,20 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-from pcsr_jax import methods
+from pcsr_jax import method_names
+from pcsr_jax.errors import UserError
 from pcsr_jax.experiments import common
-from pcsr_jax.methods.pcsr import PCSR
+
+# PCSR's paper learning rates for ViT-L/16 (`PCSR.lrs('vit_large')`, kept equal by tests/test_methods.py): written
+# out so that this module, which parses the flags, imports neither jax nor the methods.
+VIT_LARGE_LRS = dict(lr_dsn=0.05, lr_fgn=0.0001)
 
 PRESETS = {
     # Every method that exists (the paper's Table 1 rows we have, and the strongest ViT baselines since).
     # CFA and FOA need --source-data (ImageNet train with labels for CFA, val for FOA; EATA's Fisher: val);
     # DePT-G its source-stage prompts: --method-args '{"dept-g": {"prompts": DIR}}' (experiments/train_prompts.py).
     "table1": dict(severity=5, setting="normal", batch_size=64, seeds=(2022, 2023, 2024),
-                   methods=tuple(methods.REGISTRY)),
+                   methods=method_names.NAMES),
     "level3": dict(severity=3, setting="normal", batch_size=64, seeds=(2022, 2023, 2024)),
     # The continual protocol of CoTTA, DPCore and REM: the 15 corruptions in a row, reset once at the start.
     # Their papers report error rates on 5,000 images per corruption (RobustBench's); this runs every image.
@@ -39,8 +43,26 @@ PRESETS = {
     "continual": dict(severity=5, setting="continual", batch_size=64, seeds=(2022, 2023, 2024),
                       methods=("source", "tent", "cotta", "eata", "sar", "rem", "dpcore", "pcsr")),
     "vit_large": dict(severity=5, setting="normal", batch_size=64, seeds=(2022, 2023, 2024),
-                      method_args={m: PCSR.lrs("vit_large") for m in ("pcsr", "pcsr-frozen")}),
+                      method_args={m: dict(VIT_LARGE_LRS) for m in ("pcsr", "pcsr-frozen")}),
 }
+# What each preset but table1 is for, and its nearest form on the built-in benchmark (`check_preset`).
+PRESET_NEEDS = {
+    "level3": ("ImageNet-C at severity 3", "--severity 3"),
+    "continual": ("the continual methods' ImageNet-C protocol (the 15 corruptions in a row, reset once)",
+                  "--setting continual"),
+    "vit_large": ("PCSR's learning rates for a ViT-L/16 --checkpoint on ImageNet-C", None),
+}
+
+
+def check_preset(a) -> None:
+  """The built-in benchmark (no --data) runs only --preset table1: a plain one-line refusal of the others that
+  says what they are for and what they need."""
+  if not common.is_builtin(a) or a.preset in (None, "table1"):
+    return
+  what, here = PRESET_NEEDS[a.preset]
+  raise UserError(f"--preset {a.preset}: {what}; it needs --data or --clean-data with --checkpoint. Without "
+                  f"--data (the built-in benchmark) the one preset is table1 (every method)"
+                  + (f"; for this setting on the built-in benchmark, give {here} instead" if here else ""))
 
 
 def builtin_run(a) -> int:
@@ -48,7 +70,7 @@ def builtin_run(a) -> int:
   import dataclasses
   import time
 
-  from pcsr_jax import checkpoint, distributed, harness, runlog
+  from pcsr_jax import checkpoint, distributed, harness, methods, runlog
 
   t0 = time.time()
   cfg = configs(a)[""]
@@ -105,11 +127,13 @@ def parser() -> common.ArgumentParser:
 
 def configs(a) -> dict:
   """``{row: RunConfig}`` of the flags (`common.config_from_args`): one run."""
+  check_preset(a)
   return {"": common.config_from_args(a, PRESETS)[0]}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
   a = parser().parse_args(argv)
+  check_preset(a)
   common.start_devices(a)
   if common.is_builtin(a):
     return builtin_run(a)
