@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import time
 from typing import Any
 
@@ -33,8 +34,11 @@ def run(cfg: RunConfig, log=print) -> dict:
   outputs (the others return ``{'complete': False, ...}``).
 
   Under `jax.distributed` every process calls this with the same config; only process 0 logs and writes."""
+  headed = isinstance(log, runlog.Log)  # the built-in benchmark's command logged its own header
   log = runlog.for_run(cfg.output, cfg.resume or cfg.join, log if distributed.is_main() else lambda *a, **k: None,
                        worker=units.worker_id() if cfg.join else None)
+  if cfg.join or not headed:  # a log file (a worker's own) starts with what it runs
+    log(runlog.header(cfg, units.worker_id() if cfg.join else None, sys.argv))
   setup = _setup(cfg, log)
   if setup.done is None:
     log(f"{cfg.output}/results.json: this table is complete; nothing left to run")
@@ -103,6 +107,7 @@ def _run_unit(setup: Setup, unit: units.Unit, adapter: engine.Adapter, stop: uni
   n_batches = [-(-len(s.indices) // cfg.batch_size) for s in segments]
   bar = runlog.Progress(cfg.progress, unit.key, sum(n_batches), sum(n_batches[:up.segment]) + up.batch, log)
   u = _Unit(unit, rec, up, adapter, state, bar)
+  last: tuple[str, list] = ("", [])  # the last domain's name and records: its line says the unit is done
   for si in range(up.segment, len(segments)):
     seg = segments[si]
     if (seg.reset and up.batch == 0) or u.state is None:
@@ -113,14 +118,16 @@ def _run_unit(setup: Setup, unit: units.Unit, adapter: engine.Adapter, stop: uni
     recs = results.record_segment(setup, rec.records, up, seg, unit.method, unit.seed, adapter.eval_order,
                                   int(u.state.resets), plan.used)
     up.close_segment()
-    bar.segment(progress.stem(unit.key), seg.name, recs, *tracker.running(unit, up), up.images_per_s)
+    if si < len(segments) - 1:
+      tracker.domain(unit, seg.name, recs, up)
+    last = (seg.name, recs)
   bar.close()
   rec.done, rec.progress = True, None
   rec.throughput = dict(images=up.seen, seconds=up.total_seconds, images_per_s=up.images_per_s)
   if distributed.is_main():
     setup.resume.save_unit(rec)
   setup.finished[unit.key] = rec
-  tracker.finish(unit, up)
+  tracker.finish(unit, up, *last)
   return True
 
 

@@ -175,9 +175,11 @@ def caption(records: Sequence[dict], cfg: Any) -> str:
             f"severity {cfg.severity}, " if any(r.get("severity") is not None for r in records) else "")
   seeds = sorted({r["seed"] for r in records})
   per = "domain (per segment)" if cfg.setting == "gradual" else "domain"
+  over = (f"mean ± std over seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else
+          f"one seed ({seeds[0]}), no std" if seeds else "no seed")
   return (f"Online accuracy (%) of each method on each domain and their average ({stream}setting "
-          f"{cfg.setting}), mean ± std over seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}; "
-          f"{count} images per {per}; {cfg.dataset}, checkpoint {cfg.checkpoint}.\n\n")
+          f"{cfg.setting}), {over}; {count} image{'' if images == [1] else 's'} per {per}; {cfg.dataset}, "
+          f"checkpoint {cfg.checkpoint}.\n\n")
 
 
 _PREDICTIONS = re.compile(r"_.+_(\d+(\.\d+)?|None)_seed\d+\.npz$")  # `predictions_file`'s names after the method's

@@ -78,7 +78,7 @@ def builtin_run(a) -> int:
   say = runlog.Log(cfg.output, cfg.resume) if distributed.is_main() else lambda *a, **k: None
   acc = checkpoint.load_meta(cfg.checkpoint, kind="vit").get("training", {}).get("clean_test_accuracy")
   say(f"no --data: built-in benchmark, Fashion-MNIST-C (real Fashion-MNIST test images, CIFAR-10-C-strength "
-      f"corruptions), {_describe(cfg, a)}; seeds {','.join(map(str, cfg.seeds))}, batch {cfg.batch_size}; source "
+      f"corruptions), {_describe(cfg, a)}; seed{'s' if len(cfg.seeds) > 1 else ''} {','.join(map(str, cfg.seeds))}, batch {cfg.batch_size}; source "
       f"model {cfg.checkpoint}" + (f" (clean test accuracy {100 * acc:.2f}%)" if acc is not None else ""),
       flush=True)
   orders = ("before", "after") if a.eval_order == "both" else (cfg.eval_order,)
@@ -101,6 +101,7 @@ def _describe(cfg, a) -> str:
   """The built-in run's stream, for its first line."""
   from pcsr_jax import ccc_stream
   from pcsr_jax.experiments import builtin
+  from pcsr_jax.runlog import plural
 
   images = cfg.images_per_corruption
   if cfg.setting == "ccc":  # one walk over the test images (pcsr_jax.ccc_stream)
@@ -108,7 +109,8 @@ def _describe(cfg, a) -> str:
             f"images, target {cfg.ccc_target:g}%, walk seed {cfg.corruption_seed}")
   what = (f"setting {cfg.setting}: {'severities 1..5..1' if cfg.setting == 'gradual' else f'severity {cfg.severity}'}"
           f"; {images:,} images per corruption (the first {images:,} of the 10,000 test images)"
-          + (f", at most {cfg.limit:,} of them each" if cfg.limit else "") + f", {len(cfg.corruptions)} corruptions")
+          + (f", at most {cfg.limit:,} of them each" if cfg.limit else "") + f", {plural(len(cfg.corruptions),
+                                                                                        'corruption')}")
   slow = [m for m in cfg.methods if m in builtin.METHOD_IMAGES]
   if not a.full and a.images is None and images < builtin.DEFAULT_IMAGES and slow:
     what += f"; {images} images per corruption because {', '.join(slow)} is slow (--images to change)"
