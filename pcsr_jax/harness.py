@@ -26,6 +26,10 @@ from pcsr_jax.errors import UserError
 from pcsr_jax.progress import UnitProgress, UnitRecord
 from pcsr_jax.run_setup import Setup, setup as _setup
 
+# A step longer than this (MEMO's 64 augmented passes per image, DDA's diffusion) is not queued behind the one
+# before it: a stop then waits for the step in flight only.
+SLOW_STEP_S = 1.0
+
 
 def run(cfg: RunConfig, log=print) -> dict:
   """Runs the experiment; returns ``{'records', 'curves', 'skipped', ...}`` and writes the outputs, every log
@@ -49,7 +53,7 @@ def run(cfg: RunConfig, log=print) -> dict:
   try:
     if cfg.expect_workers:
       claims.wait_for_workers(cfg.expect_workers, log)
-    with units.Stop() as stop:
+    with units.Stop(log) as stop:
       executors = [functools.partial(_executor, setup, claims, mesh, stop, tracker, log) for mesh in setup.groups]
       if not units.execute(executors, stop):
         log(f"interrupted: progress saved to {setup.resume.dir}; rerun with --resume to continue")
@@ -91,6 +95,8 @@ class _Unit:
   bar: runlog.Progress
   pending: Any = None  # (predictions, finite, batch, domain, batch index) of the batch read one step late
   since_save: int = 0
+  ready_at: float = dataclasses.field(default_factory=time.perf_counter)  # when the last step's result was read
+  step_s: float = 0.0  # the time between the last two results: a step's, once compiled
 
 
 def _run_unit(setup: Setup, unit: units.Unit, adapter: engine.Adapter, stop: units.Stop, tracker: runlog.Units,
@@ -138,6 +144,11 @@ def _stream_segment(setup: Setup, u: _Unit, seg, stop: units.Stop) -> bool:
   predict = _predictor(u.adapter.mesh)
   t_seg = time.perf_counter()
   for batch, placed, stop_now in _batches(setup, u.adapter, seg, up.batch, stop):
+    if u.pending is not None and u.step_s > SLOW_STEP_S:
+      _wait(u.pending[0])  # a long step: the next one waits for it, so that a stop waits for one step, not two
+    if stop_now or (stop.requested and not distributed.is_multiprocess()):  # (processes agree through stop_now)
+      _save(setup, u, t_seg)  # this batch is not run: the progress is the last finished batch's
+      return False
     rec.skipped += [n for n in (f"{seg.name}/{n}" for n in batch.skipped) if n not in rec.skipped]
     up.skipped += len(batch.skipped)
     if placed is not None:
@@ -148,19 +159,30 @@ def _stream_segment(setup: Setup, u: _Unit, seg, stop: units.Stop) -> bool:
     up.batch += 1
     u.since_save += 1
     u.bar.update(up.seen, up.correct, up.total_seconds + up.seconds + time.perf_counter() - t_seg, seg.name)
-    if stop_now or u.since_save >= setup.cfg.checkpoint_every:
-      _score(setup, u)
-      up.add_time(time.perf_counter() - t_seg)
+    if u.since_save >= setup.cfg.checkpoint_every:
+      _save(setup, u, t_seg)
       t_seg = time.perf_counter()
-      rec.progress = up
-      if distributed.is_main():
-        setup.resume.save_unit(rec, u.adapter.state_to_host(u.state))
-      u.since_save = 0
-      if stop_now:
-        return False
   _score(setup, u)
   up.add_time(time.perf_counter() - t_seg)
   return True
+
+
+def _save(setup: Setup, u: _Unit, t_seg: float) -> None:
+  """Saves the unit's progress after its last dispatched step (scored first); ``t_seg``: when the time of the
+  open segment's stretch began."""
+  _score(setup, u)
+  u.progress.add_time(time.perf_counter() - t_seg)
+  u.rec.progress = u.progress
+  if distributed.is_main():
+    setup.resume.save_unit(u.rec, u.adapter.state_to_host(u.state))
+  u.since_save = 0
+
+
+def _wait(x: Any) -> None:
+  """Waits for ``x`` in short sleeps, not one blocking read: a SIGINT/SIGTERM's handler (`units.Stop`) runs in
+  the main thread within 20 ms and says at once that the run is stopping."""
+  while not x.is_ready():
+    time.sleep(0.02)
 
 
 def _score(setup: Setup, u: _Unit) -> None:
@@ -169,7 +191,10 @@ def _score(setup: Setup, u: _Unit) -> None:
     return
   preds, finite, batch, domain, at_batch = u.pending
   u.pending = None
-  if not bool(finite):
+  finite = bool(finite)
+  now = time.perf_counter()
+  u.step_s, u.ready_at = now - u.ready_at, now  # steady state: the time of a step
+  if not finite:
     raise UserError(f"{progress.stem(u.unit.key)} diverged on {domain} at batch {at_batch}: non-finite logits or "
                     f"adapted parameters (lower its learning rate in --method-args)")
   u.progress.account(preds, batch, setup.names, setup.relabel, setup.num_classes, u.rec.curve)

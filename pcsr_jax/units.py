@@ -248,14 +248,24 @@ class Claims:
 
 
 class Stop:
-  """SIGINT/SIGTERM set ``requested`` (in the main thread); every executor saves its unit's progress at its next
-  batch and returns."""
+  """SIGINT/SIGTERM set ``requested`` and say so at once (in the main thread); every executor lets its step in
+  flight finish, saves its unit's progress at that last finished batch and returns. A second signal quits at
+  once (`KeyboardInterrupt`), the progress as last saved."""
 
   requested = False
 
+  def __init__(self, log=print):
+    self.log = log
+
+  def _on(self, signum: int, frame: Any) -> None:
+    if self.requested:
+      raise KeyboardInterrupt
+    self.requested = True
+    self.log(f"{signal.Signals(signum).name}: stopping; each unit's progress is saved at its last finished batch "
+             f"once its step in flight is done (again to quit at once, without saving)")
+
   def __enter__(self):
-    on = lambda signum, frame: setattr(self, "requested", True)
-    self._old = {s: signal.signal(s, on) for s in (signal.SIGINT, signal.SIGTERM)}
+    self._old = {s: signal.signal(s, self._on) for s in (signal.SIGINT, signal.SIGTERM)}
     return self
 
   def __exit__(self, *exc):

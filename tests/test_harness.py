@@ -229,6 +229,7 @@ def test_loader_processes_same_results_and_ctrl_c_of_the_process_group_saves_pro
   stdout, stderr = p.communicate(timeout=300)
   assert p.returncode == 130, stderr
   assert "interrupted: progress saved" in stdout + stderr
+  assert "SIGINT: stopping; each unit's progress is saved at its last finished batch" in stdout
   resumed = cli(*args, "--loader", "processes", "--output", str(out), "--resume")
   assert resumed.returncode == 0, resumed.stderr
   assert "resuming from" in resumed.stdout
@@ -236,6 +237,38 @@ def test_loader_processes_same_results_and_ctrl_c_of_the_process_group_saves_pro
     x, y = np.load(tmp_path / "full" / "predictions" / f), np.load(out / "predictions" / f)
     for k in ("file_names", "labels", "predictions"):
       np.testing.assert_array_equal(x[k], y[k], err_msg=f"{f}:{k}")
+
+
+@pytest.mark.parametrize("slow", [True, False])
+def test_a_stop_saves_the_last_finished_batch_and_says_so_at_once(world, tmp_path, monkeypatch, slow):
+  """SIGINT during a unit: the line that says the run stops comes at once (before any further batch line), the
+  batch after the signal is not run, the progress is saved at the last finished batch, and the resumed run gives
+  the uninterrupted records. ``slow``: every step counts as long (`harness.SLOW_STEP_S` 0), so each is awaited
+  before the next is queued."""
+  from pcsr_jax import runlog
+
+  monkeypatch.setattr(runlog, "LINE_EVERY_S", 0.0)  # a line per batch
+  if slow:
+    monkeypatch.setattr(harness, "SLOW_STEP_S", 0.0)
+  full = harness.run(cfg(world, tmp_path / "full", methods=("tent",), batch_size=4), log=lambda *a: None)
+  lines = []
+
+  def log(line, *a, **k):
+    lines.append(line)
+    if line.startswith("tent/seed1/fog: batch 2 of"):
+      os.kill(os.getpid(), signal.SIGINT)  # the handler runs as this returns, before the next batch
+
+  out = tmp_path / "stopped"
+  with pytest.raises(SystemExit) as e:
+    harness.run(cfg(world, out, methods=("tent",), batch_size=4, progress=True), log=log)
+  assert e.value.code == 130
+  k = next(i for i, l in enumerate(lines) if l.startswith("tent/seed1/fog: batch 2 of"))
+  assert lines[k + 1].startswith("SIGINT: stopping; each unit's progress is saved at its last finished batch")
+  assert not any(l.startswith("tent/seed1/fog: batch 3 of") for l in lines)
+  assert [(u["key"], u["batch"]) for u in hf.open_units(out)] == [("tent/seed1/fog", 2)]
+  resumed = harness.run(cfg(world, out, methods=("tent",), batch_size=4, resume=True), log=lambda *a: None)
+  assert [(r["corruption"], r["accuracy"]) for r in resumed["records"]] == \
+      [(r["corruption"], r["accuracy"]) for r in full["records"]]
 
 
 def test_tfds_path_with_mock_data(world, tmp_path):

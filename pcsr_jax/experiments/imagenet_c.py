@@ -109,8 +109,8 @@ def _describe(cfg, a) -> str:
             f"images, target {cfg.ccc_target:g}%, walk seed {cfg.corruption_seed}")
   what = (f"setting {cfg.setting}: {'severities 1..5..1' if cfg.setting == 'gradual' else f'severity {cfg.severity}'}"
           f"; {images:,} images per corruption (the first {images:,} of the 10,000 test images)"
-          + (f", at most {cfg.limit:,} of them each" if cfg.limit else "") + f", {plural(len(cfg.corruptions),
-                                                                                        'corruption')}")
+          + (f", at most {cfg.limit:,} of them each" if cfg.limit else "") + ", "
+          + plural(len(cfg.corruptions), "corruption"))
   slow = [m for m in cfg.methods if m in builtin.METHOD_IMAGES]
   if not a.full and a.images is None and images < builtin.DEFAULT_IMAGES and slow:
     what += f"; {images} images per corruption because {', '.join(slow)} is slow (--images to change)"
