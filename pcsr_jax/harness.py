@@ -20,7 +20,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pcsr_jax import distributed, engine, progress, results, runlog, units
+from pcsr_jax import distributed, engine, events, progress, results, runlog, units
 from pcsr_jax.config import RunConfig
 from pcsr_jax.errors import UserError
 from pcsr_jax.progress import UnitProgress, UnitRecord
@@ -93,10 +93,12 @@ class _Unit:
   adapter: engine.Adapter
   state: Any
   bar: runlog.Progress
+  events: events.UnitEvents
   pending: Any = None  # (predictions, finite, batch, domain, batch index) of the batch read one step late
   since_save: int = 0
   ready_at: float = dataclasses.field(default_factory=time.perf_counter)  # when the last step's result was read
   step_s: float = 0.0  # the time between the last two results: a step's, once compiled
+  t_seg: float = 0.0  # when the open segment's stepping time since its last save began
 
 
 def _run_unit(setup: Setup, unit: units.Unit, adapter: engine.Adapter, stop: units.Stop, tracker: runlog.Units,
@@ -112,7 +114,7 @@ def _run_unit(setup: Setup, unit: units.Unit, adapter: engine.Adapter, stop: uni
   segments = [setup.segments[unit.seed][i] for i in unit.segments]
   n_batches = [-(-len(s.indices) // cfg.batch_size) for s in segments]
   bar = runlog.Progress(cfg.progress, unit.key, sum(n_batches), sum(n_batches[:up.segment]) + up.batch, log)
-  u = _Unit(unit, rec, up, adapter, state, bar)
+  u = _Unit(unit, rec, up, adapter, state, bar, events.UnitEvents(cfg.output, unit.key, distributed.is_main()))
   last: tuple[str, list] = ("", [])  # the last domain's name and records: its line says the unit is done
   for si in range(up.segment, len(segments)):
     seg = segments[si]
@@ -120,10 +122,12 @@ def _run_unit(setup: Setup, unit: units.Unit, adapter: engine.Adapter, stop: uni
       u.state = adapter.reset(u.state)
     if not _stream_segment(setup, u, seg, stop):
       bar.close()
+      u.events.close()
       return False
     recs = results.record_segment(setup, rec.records, up, seg, unit.method, unit.seed, adapter.eval_order,
                                   int(u.state.resets), plan.used)
     up.close_segment()
+    u.events.domain(up.seen, recs)
     if si < len(segments) - 1:
       tracker.domain(unit, seg.name, recs, up)
     last = (seg.name, recs)
@@ -132,6 +136,8 @@ def _run_unit(setup: Setup, unit: units.Unit, adapter: engine.Adapter, stop: uni
   rec.throughput = dict(images=up.seen, seconds=up.total_seconds, images_per_s=up.images_per_s)
   if distributed.is_main():
     setup.resume.save_unit(rec)
+  u.events.flush()
+  u.events.close()
   setup.finished[unit.key] = rec
   tracker.finish(unit, up, *last)
   return True
@@ -142,12 +148,12 @@ def _stream_segment(setup: Setup, u: _Unit, seg, stop: units.Stop) -> bool:
   False when stopped (progress saved)."""
   rec, up = u.rec, u.progress
   predict = _predictor(u.adapter.mesh)
-  t_seg = time.perf_counter()
+  u.t_seg = time.perf_counter()
   for batch, placed, stop_now in _batches(setup, u.adapter, seg, up.batch, stop):
     if u.pending is not None and u.step_s > SLOW_STEP_S:
       _wait(u.pending[0])  # a long step: the next one waits for it, so that a stop waits for one step, not two
     if stop_now or (stop.requested and not distributed.is_multiprocess()):  # (processes agree through stop_now)
-      _save(setup, u, t_seg)  # this batch is not run: the progress is the last finished batch's
+      _save(setup, u)  # this batch is not run: the progress is the last finished batch's
       return False
     rec.skipped += [n for n in (f"{seg.name}/{n}" for n in batch.skipped) if n not in rec.skipped]
     up.skipped += len(batch.skipped)
@@ -155,26 +161,31 @@ def _stream_segment(setup: Setup, u: _Unit, seg, stop: units.Stop) -> bool:
       u.state, logits, metrics = u.adapter.step_placed(u.state, placed)
       preds = predict(logits)  # stays on device; read one step later
       _score(setup, u)
-      u.pending = (preds, metrics["finite"], batch, seg.name, up.batch)
+      u.pending = (preds, metrics, batch, seg.name, up.batch)
     up.batch += 1
     u.since_save += 1
-    u.bar.update(up.seen, up.correct, up.total_seconds + up.seconds + time.perf_counter() - t_seg, seg.name)
+    u.bar.update(up.seen, up.correct, _seconds(u), seg.name)
     if u.since_save >= setup.cfg.checkpoint_every:
-      _save(setup, u, t_seg)
-      t_seg = time.perf_counter()
+      _save(setup, u)
   _score(setup, u)
-  up.add_time(time.perf_counter() - t_seg)
+  up.add_time(time.perf_counter() - u.t_seg)
   return True
 
 
-def _save(setup: Setup, u: _Unit, t_seg: float) -> None:
-  """Saves the unit's progress after its last dispatched step (scored first); ``t_seg``: when the time of the
-  open segment's stretch began."""
+def _seconds(u: _Unit) -> float:
+  """The unit's stepping time so far: its closed segments', and the open one's."""
+  return u.progress.total_seconds + u.progress.seconds + time.perf_counter() - u.t_seg
+
+
+def _save(setup: Setup, u: _Unit) -> None:
+  """Saves the unit's progress after its last dispatched step (scored first), then its events up to it."""
   _score(setup, u)
-  u.progress.add_time(time.perf_counter() - t_seg)
+  u.progress.add_time(time.perf_counter() - u.t_seg)
+  u.t_seg = time.perf_counter()
   u.rec.progress = u.progress
   if distributed.is_main():
     setup.resume.save_unit(u.rec, u.adapter.state_to_host(u.state))
+  u.events.flush()
   u.since_save = 0
 
 
@@ -189,15 +200,16 @@ def _score(setup: Setup, u: _Unit) -> None:
   """Scores the batch read one step late, if any; a diverged step stops the run."""
   if u.pending is None:
     return
-  preds, finite, batch, domain, at_batch = u.pending
+  preds, metrics, batch, domain, at_batch = u.pending
   u.pending = None
-  finite = bool(finite)
+  finite = bool(metrics["finite"])
   now = time.perf_counter()
   u.step_s, u.ready_at = now - u.ready_at, now  # steady state: the time of a step
   if not finite:
     raise UserError(f"{progress.stem(u.unit.key)} diverged on {domain} at batch {at_batch}: non-finite logits or "
                     f"adapted parameters (lower its learning rate in --method-args)")
   u.progress.account(preds, batch, setup.names, setup.relabel, setup.num_classes, u.rec.curve)
+  u.events.batch(u.progress.seen, u.progress.correct, _seconds(u), metrics)
 
 
 @functools.lru_cache(maxsize=None)

@@ -12,7 +12,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from pcsr_jax import distributed, files, plots
+from pcsr_jax import distributed, events, files, plots
 from pcsr_jax.data.imagenet import SHORT_NAMES
 from pcsr_jax.errors import UserError
 
@@ -119,6 +119,7 @@ def remove_outputs(out: str, log) -> None:
   gone = [p for p in gone if os.path.isfile(p)]
   for p in gone:
     os.remove(p)
+  events.remove(out)
   if any(os.path.dirname(p) == pred_dir for p in gone):
     log(f"removed {sum(os.path.dirname(p) == pred_dir for p in gone)} predictions files of an earlier run from "
         f"{pred_dir}")
@@ -234,6 +235,7 @@ def write_outputs(setup: Any, progress: Any, log) -> dict:
   write_csv(os.path.join(cfg.output, "results.csv"), records)
   with open(os.path.join(cfg.output, "table.md"), "w") as f:
     f.write(caption(records, cfg) + tbl)
+  events.write_results(cfg.output, records, setup.columns(), cfg.methods, caption(records, cfg) + tbl)
   drawn = plots.plot(cfg.output, records, progress.curves, setup.columns(), cfg.methods)
   setup.resume.clear()
   log(tbl)
@@ -244,5 +246,6 @@ def write_outputs(setup: Any, progress: Any, log) -> dict:
           f"known-class samples {100 * np.mean([r['accuracy_known'] for r in recs]):.2f}%")
   if progress.skipped:
     log(f"skipped {len(progress.skipped)} unreadable images (listed in results.json)")
-  log(f"wrote {cfg.output}/results.json, results.csv, table.md, {', '.join(os.path.basename(p) for p in drawn)}")
+  log(f"wrote {cfg.output}/results.json, results.csv, table.md, {', '.join(os.path.basename(p) for p in drawn)}"
+      f"; curves: tensorboard --logdir {events.root(cfg.output)}")
   return out
