@@ -119,3 +119,16 @@ def test_benchmark_commands_run_them_as_modules():
   assert not old, f"run as `python -m benchmarks.<name>` from the repository root: {old}"
   assert not missing, missing
   assert "benchmarks.step_throughput" in seen and "benchmarks.gpu_report" in seen, seen
+
+
+@pytest.mark.core
+def test_the_parameter_paths_snippet_of_docs_methods_prints_what_the_page_shows():
+  """docs/methods.md's snippet, run as written over the committed checkpoint: its output is the page's next
+  block, so the module names a method's `is_trainable` sees stay the model's."""
+  text = _read("docs/methods.md")
+  m = re.search(r"```python\n(# parameter paths.*?)```\n\n```text\n(.*?)```", text, flags=re.S)
+  assert m, "docs/methods.md has no parameter-paths snippet followed by its output"
+  r = subprocess.run([sys.executable, "-c", m.group(1)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert r.stdout == m.group(2)
+  assert all(f"('{name}'" in m.group(2) for name in ("blocks_0", "norm", "head", "cls_token", "pos_embed"))
