@@ -132,3 +132,15 @@ def test_the_parameter_paths_snippet_of_docs_methods_prints_what_the_page_shows(
   assert r.returncode == 0, r.stderr[-3000:]
   assert r.stdout == m.group(2)
   assert all(f"('{name}'" in m.group(2) for name in ("blocks_0", "norm", "head", "cls_token", "pos_embed"))
+
+
+def test_the_readme_says_how_to_run_again_what_the_first_run_costs_and_where_the_curves_are():
+  """After `bash scripts/main.sh` a user needs the venv to run again (`python3` outside it has no jax), the
+  first run's one-off cost (the cache) on a named CPU, and the TensorBoard command; main.sh says it too."""
+  text = _read("README.md")
+  assert "`. .venv/bin/activate`" in text and "`bash scripts/main.sh ARGS`" in text
+  assert re.search(r"cache\s+once \(19,200 corrupted images: \d+ s\).*2-core AMD EPYC", text, flags=re.S)
+  assert re.search(r"^    tensorboard --logdir runs/builtin/tensorboard$", text, flags=re.M)
+  assert ". .venv/bin/activate" in _read("scripts/main.sh") and "exec " not in _read("scripts/main.sh")
+  rows = re.findall(r"^\| ([\w-]+(?: / [\w-]+)*) \| \d", text, flags=re.M)
+  assert rows and not [r for r in rows if "/" in r], f"a results row of several methods: {rows}"
