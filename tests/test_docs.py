@@ -144,3 +144,11 @@ def test_the_readme_says_how_to_run_again_what_the_first_run_costs_and_where_the
   assert ". .venv/bin/activate" in _read("scripts/main.sh") and "exec " not in _read("scripts/main.sh")
   rows = re.findall(r"^\| ([\w-]+(?: / [\w-]+)*) \| \d", text, flags=re.M)
   assert rows and not [r for r in rows if "/" in r], f"a results row of several methods: {rows}"
+
+
+def test_every_docs_page_opens_with_what_it_answers_and_its_key_figures():
+  """A reader sees first what a page answers and its key figures, in a table, before its detail."""
+  for page in PAGES[1:]:
+    head = _read(page).split("\n## ", 1)[0]
+    assert "**This page answers**" in head, page
+    assert "| key figure | value |\n|---|---|\n| " in head, page
