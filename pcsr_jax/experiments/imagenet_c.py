@@ -77,10 +77,10 @@ def builtin_run(a) -> int:
   # Process 0 speaks, into <output>/log.txt too (the runs' own lines join it).
   say = runlog.Log(cfg.output, cfg.resume) if distributed.is_main() else lambda *a, **k: None
   acc = checkpoint.load_meta(cfg.checkpoint, kind="vit").get("training", {}).get("clean_test_accuracy")
+  seeds = f"seed{'s' if len(cfg.seeds) > 1 else ''} {','.join(map(str, cfg.seeds))}"
   say(f"no --data: built-in benchmark, Fashion-MNIST-C (real Fashion-MNIST test images, CIFAR-10-C-strength "
-      f"corruptions), {_describe(cfg, a)}; seed{'s' if len(cfg.seeds) > 1 else ''} {','.join(map(str, cfg.seeds))}, batch {cfg.batch_size}; source "
-      f"model {cfg.checkpoint}" + (f" (clean test accuracy {100 * acc:.2f}%)" if acc is not None else ""),
-      flush=True)
+      f"corruptions), {_describe(cfg, a)}; {seeds}, batch {cfg.batch_size}; source model {cfg.checkpoint}"
+      + (f" (clean test accuracy {100 * acc:.2f}%)" if acc is not None else ""), flush=True)
   orders = ("before", "after") if a.eval_order == "both" else (cfg.eval_order,)
   results = {}
   for order in orders:
