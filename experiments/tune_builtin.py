@@ -3,10 +3,11 @@
 The code lives in `pcsr_jax/experiments/tune_builtin.py`; this file is its command.
 """
 
+import os
 import sys
 
-from pcsr_jax.cli import run_cli
-from pcsr_jax.experiments.tune_builtin import main
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this clone's package
+from pcsr_jax.cli import run_cli  # noqa: E402 -- the standard library only: a Python without jax gets one line
 
 if __name__ == "__main__":
-  run_cli(main, sys.argv[1:])
+  run_cli("pcsr_jax.experiments.tune_builtin:main", sys.argv[1:])

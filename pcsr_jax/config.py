@@ -11,7 +11,7 @@ from typing import Optional
 
 import jax
 
-from pcsr_jax import ccc_stream, distributed, engine, methods, source_stats
+from pcsr_jax import ccc_stream, distributed, engine, method_names, methods, source_stats
 from pcsr_jax.data import datasets, imagenet, sources, streams
 from pcsr_jax.data.generators import corruptions as corr
 from pcsr_jax.errors import UserError
@@ -115,9 +115,7 @@ class RunConfig:
       twice = [v for k, v in enumerate(values) if v in values[:k]]
       if twice:  # it would run twice and weigh twice in the average
         raise UserError(f"{flag}: {twice[0]} given twice; give each once")
-    for m in self.methods:
-      if m not in methods.REGISTRY:
-        raise UserError(f"--methods: unknown method '{m}': expected some of {', '.join(methods.REGISTRY)}")
+    method_names.check(self.methods, tuple(methods.REGISTRY))
     if self.setting not in streams.SETTINGS:
       raise UserError(f"--setting: unknown setting '{self.setting}': expected one of {', '.join(streams.SETTINGS)}")
 

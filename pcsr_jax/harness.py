@@ -16,16 +16,20 @@ import dataclasses
 import functools
 import sys
 import time
-from typing import Any
+from typing import Any, Optional
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pcsr_jax import distributed, engine, lock, progress, results, runlog, units
+from pcsr_jax import distributed, engine, events, lock, progress, results, runlog, units
 from pcsr_jax.config import RunConfig
 from pcsr_jax.errors import UserError
 from pcsr_jax.progress import UnitProgress, UnitRecord
 from pcsr_jax.run_setup import Setup, setup as _setup
+
+# A step longer than this (MEMO's 64 augmented passes per image, DDA's diffusion) is not queued behind the one
+# before it: a stop then waits for the step in flight only.
+SLOW_STEP_S = 1.0
 
 
 def run(cfg: RunConfig, log=print) -> dict:
@@ -37,15 +41,18 @@ def run(cfg: RunConfig, log=print) -> dict:
 
   Under `jax.distributed` every process calls this with the same config; only process 0 logs and writes."""
   main = distributed.is_main()
-  log = runlog.for_run(cfg.output, cfg.resume, log if main else lambda *a, **k: None)
   with lock.hold(cfg.output, " ".join(sys.argv)) if main else contextlib.nullcontext():
+    headed = isinstance(log, runlog.Log)  # the built-in benchmark's command logged its own header
+    log = runlog.for_run(cfg.output, cfg.resume, log if main else lambda *a, **k: None)
+    if not headed:  # the log file starts with what it runs
+      log(runlog.header(cfg, sys.argv))
     setup = _setup(cfg, log)
     queue = units.Queue(setup.units, setup.done)
     passes = {m: units.declared_passes(p.method) for m, p in setup.plans.items()}
     tracker = runlog.Units(setup.units, setup.done, log, say_starts=cfg.executor == "ray" or len(setup.groups) > 1,
                            passes=passes)
     try:
-      with units.Stop() as stop:
+      with units.Stop(log) as stop:
         if cfg.executor == "ray":
           from pcsr_jax import ray_units
 
@@ -70,7 +77,7 @@ def _executor(setup: Setup, queue: units.Queue, mesh, stop: units.Stop, tracker:
       adapter = make_adapter(setup, unit, mesh)
       last = (unit.method, unit.seed)
     tracker.start(unit)
-    done = run_unit(setup, unit, adapter, stop, tracker, log)
+    done = run_unit(setup, unit, adapter, stop, tracker, log) is not None
     queue.finish(unit, done)
     if not done:
       return False
@@ -95,13 +102,18 @@ class _Unit:
   adapter: engine.Adapter
   state: Any
   bar: runlog.Progress
+  events: events.UnitEvents
   pending: Any = None  # (predictions, finite, batch, domain, batch index) of the batch read one step late
   since_save: int = 0
+  ready_at: float = dataclasses.field(default_factory=time.perf_counter)  # when the last step's result was read
+  step_s: float = 0.0  # the time between the last two results: a step's, once compiled
+  t_seg: float = 0.0  # when the open segment's stepping time since its last save began
 
 
-def run_unit(setup: Setup, unit: units.Unit, adapter: engine.Adapter, stop: units.Stop, tracker: runlog.Units,
-             log) -> bool:
-  """One unit over its segments, from its saved progress if any. Returns False when interrupted (saved)."""
+def run_unit(setup: Setup, unit: units.Unit, adapter: engine.Adapter, stop: units.Stop,
+             tracker: Optional[runlog.Units], log) -> Optional[tuple[str, list]]:
+  """One unit over its segments, from its saved progress if any. Returns its last domain's name and records,
+  None when interrupted (saved). ``tracker`` None (a Ray actor): no progress lines, the driver logs them."""
   cfg, plan = setup.cfg, setup.plans[unit.method]
   rec = setup.resume.load_unit(unit.key) or UnitRecord(unit.key, source_key=plan.source_key)
   state = None
@@ -112,28 +124,34 @@ def run_unit(setup: Setup, unit: units.Unit, adapter: engine.Adapter, stop: unit
   segments = [setup.segments[unit.seed][i] for i in unit.segments]
   n_batches = [-(-len(s.indices) // cfg.batch_size) for s in segments]
   bar = runlog.Progress(cfg.progress, unit.key, sum(n_batches), sum(n_batches[:up.segment]) + up.batch, log)
-  u = _Unit(unit, rec, up, adapter, state, bar)
+  u = _Unit(unit, rec, up, adapter, state, bar, events.UnitEvents(cfg.output, unit.key, distributed.is_main()))
+  last: tuple[str, list] = ("", [])  # the last domain's name and records: its line says the unit is done
   for si in range(up.segment, len(segments)):
     seg = segments[si]
     if (seg.reset and up.batch == 0) or u.state is None:
       u.state = adapter.reset(u.state)
     if not _stream_segment(setup, u, seg, stop):
       bar.close()
-      return False
+      u.events.close()
+      return None
     recs = results.record_segment(setup, rec.records, up, seg, unit.method, unit.seed, adapter.eval_order,
                                   int(u.state.resets), plan.used)
     up.close_segment()
-    if tracker is not None:
-      bar.segment(progress.stem(unit.key), seg.name, recs, *tracker.running(unit, up), up.images_per_s)
+    u.events.domain(up.seen, recs)
+    if si < len(segments) - 1 and tracker is not None:
+      tracker.domain(unit, seg.name, recs, up)
+    last = (seg.name, recs)
   bar.close()
   rec.done, rec.progress = True, None
   rec.throughput = dict(images=up.seen, seconds=up.total_seconds, images_per_s=up.images_per_s)
   if distributed.is_main():
     setup.resume.save_unit(rec)
+  u.events.flush()
+  u.events.close()
   setup.finished[unit.key] = rec
   if tracker is not None:
-    tracker.finish(unit, up)
-  return True
+    tracker.finish(unit, up, *last)
+  return last
 
 
 def _stream_segment(setup: Setup, u: _Unit, seg, stop: units.Stop) -> bool:
@@ -141,43 +159,68 @@ def _stream_segment(setup: Setup, u: _Unit, seg, stop: units.Stop) -> bool:
   False when stopped (progress saved)."""
   rec, up = u.rec, u.progress
   predict = _predictor(u.adapter.mesh)
-  t_seg = time.perf_counter()
+  u.t_seg = time.perf_counter()
   for batch, placed, stop_now in _batches(setup, u.adapter, seg, up.batch, stop):
+    if u.pending is not None and u.step_s > SLOW_STEP_S:
+      _wait(u.pending[0])  # a long step: the next one waits for it, so that a stop waits for one step, not two
+    if stop_now or (stop.requested and not distributed.is_multiprocess()):  # (processes agree through stop_now)
+      _save(setup, u)  # this batch is not run: the progress is the last finished batch's
+      return False
     rec.skipped += [n for n in (f"{seg.name}/{n}" for n in batch.skipped) if n not in rec.skipped]
     up.skipped += len(batch.skipped)
     if placed is not None:
       u.state, logits, metrics = u.adapter.step_placed(u.state, placed)
       preds = predict(logits)  # stays on device; read one step later
       _score(setup, u)
-      u.pending = (preds, metrics["finite"], batch, seg.name, up.batch)
+      u.pending = (preds, metrics, batch, seg.name, up.batch)
     up.batch += 1
     u.since_save += 1
-    u.bar.update(up.seen, up.correct, up.total_seconds + up.seconds + time.perf_counter() - t_seg, seg.name)
-    if stop_now or u.since_save >= setup.cfg.checkpoint_every:
-      _score(setup, u)
-      up.add_time(time.perf_counter() - t_seg)
-      t_seg = time.perf_counter()
-      rec.progress = up
-      if distributed.is_main():
-        setup.resume.save_unit(rec, u.adapter.state_to_host(u.state))
-      u.since_save = 0
-      if stop_now:
-        return False
+    u.bar.update(up.seen, up.correct, _seconds(u), seg.name)
+    if u.since_save >= setup.cfg.checkpoint_every:
+      _save(setup, u)
   _score(setup, u)
-  up.add_time(time.perf_counter() - t_seg)
+  up.add_time(time.perf_counter() - u.t_seg)
   return True
+
+
+def _seconds(u: _Unit) -> float:
+  """The unit's stepping time so far: its closed segments', and the open one's."""
+  return u.progress.total_seconds + u.progress.seconds + time.perf_counter() - u.t_seg
+
+
+def _save(setup: Setup, u: _Unit) -> None:
+  """Saves the unit's progress after its last dispatched step (scored first), then its events up to it."""
+  _score(setup, u)
+  u.progress.add_time(time.perf_counter() - u.t_seg)
+  u.t_seg = time.perf_counter()
+  u.rec.progress = u.progress
+  if distributed.is_main():
+    setup.resume.save_unit(u.rec, u.adapter.state_to_host(u.state))
+  u.events.flush()
+  u.since_save = 0
+
+
+def _wait(x: Any) -> None:
+  """Waits for ``x`` in short sleeps, not one blocking read: a SIGINT/SIGTERM's handler (`units.Stop`) runs in
+  the main thread within 20 ms and says at once that the run is stopping."""
+  while not x.is_ready():
+    time.sleep(0.02)
 
 
 def _score(setup: Setup, u: _Unit) -> None:
   """Scores the batch read one step late, if any; a diverged step stops the run."""
   if u.pending is None:
     return
-  preds, finite, batch, domain, at_batch = u.pending
+  preds, metrics, batch, domain, at_batch = u.pending
   u.pending = None
-  if not bool(finite):
+  finite = bool(metrics["finite"])
+  now = time.perf_counter()
+  u.step_s, u.ready_at = now - u.ready_at, now  # steady state: the time of a step
+  if not finite:
     raise UserError(f"{progress.stem(u.unit.key)} diverged on {domain} at batch {at_batch}: non-finite logits or "
                     f"adapted parameters (lower its learning rate in --method-args)")
   u.progress.account(preds, batch, setup.names, setup.relabel, setup.num_classes, u.rec.curve)
+  u.events.batch(u.progress.seen, u.progress.correct, _seconds(u), metrics)
 
 
 @functools.lru_cache(maxsize=None)

@@ -166,13 +166,14 @@ class UnitRunner:
       self.adapter = harness.make_adapter(self.setup, unit, self.setup.groups[0])
       self.last = (unit.method, unit.seed)
     self.stop.requested = False
-    done = harness.run_unit(self.setup, unit, self.adapter, self.stop, None, lambda *a, **k: None)
+    last = harness.run_unit(self.setup, unit, self.adapter, self.stop, None, lambda *a, **k: None)
     rec = self.setup.finished.pop(key, None)
-    if not done or rec is None:
+    if last is None or rec is None:
       return dict(done=False)
     n = sum(r["num_samples"] for r in rec.records)
     correct = sum(round(r["accuracy"] * r["num_samples"]) for r in rec.records)
-    return dict(done=True, seen=n, correct=correct, total_seconds=rec.throughput["seconds"])
+    return dict(done=True, seen=n, correct=correct, total_seconds=rec.throughput["seconds"], domain=last[0],
+                records=last[1])
 
   def request_stop(self) -> None:
     self.stop.requested = True
@@ -276,7 +277,8 @@ def _drive(ray, actors: list, queue: units.Queue, tracker: runlog.Units, stop: A
       where[i] = out
     elif out["done"]:
       queue.finish(unit, done=True)
-      status = tracker.finish(unit, _Done(out["seen"], out["correct"], out["total_seconds"]))
+      status = tracker.finish(unit, _Done(out["seen"], out["correct"], out["total_seconds"]), out["domain"],
+                              out["records"])
     else:
       queue.finish(unit, done=False)
     idle.add(i)

@@ -1,5 +1,5 @@
-"""Result records -> results.json, results.csv, the paper's Table 1 layout (table.md) and plots; a run's outputs
-(`write_outputs`) and the removal of an earlier run's (`remove_outputs`)."""
+"""Result records -> results.json, results.csv, the paper's Table 1 layout (table.md) and the plots (`plots`); a
+run's outputs (`write_outputs`) and the removal of an earlier run's (`remove_outputs`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from pcsr_jax import distributed, files
+from pcsr_jax import distributed, events, files, plots
 from pcsr_jax.data.imagenet import SHORT_NAMES
 from pcsr_jax.errors import UserError
 
@@ -73,88 +73,6 @@ def fmt_mean_std(v: Sequence[float]) -> str:
   return f"{np.mean(v):.1f}" if len(v) == 1 else f"{np.mean(v):.1f} ± {np.std(v):.1f}"
 
 
-def _accuracy(records: Sequence[dict], method: str, corruptions: Sequence[str]) -> np.ndarray:
-  """Per corruption, in %, mean over seeds (NaN where the method has no record)."""
-  return np.asarray([np.mean([100 * r["accuracy"] for r in records if r["method"] == method and r["corruption"] == c]
-                             or [np.nan]) for c in corruptions])
-
-
-def _bars(ax, values: dict[str, np.ndarray], corruptions: Sequence[str]) -> None:
-  width = 0.8 / max(1, len(values))
-  x = np.arange(len(corruptions))
-  for i, (m, v) in enumerate(values.items()):
-    ax.bar(x + i * width, v, width, label=m)
-  ax.set_xticks(x + width * (len(values) - 1) / 2)
-  ax.set_xticklabels([SHORT_NAMES.get(c, c) for c in corruptions], rotation=45, ha="right")
-
-
-def _running_gain(curves: dict[str, Any], method: str) -> tuple[list, np.ndarray] | None:
-  """``(seen, gain)``: the method's running accuracy minus Source's on the same streams, mean over seeds."""
-  seeds = sorted({k.split("/", 1)[1] for k in curves})
-  pairs = [(curves[f"{method}/{sd}"], curves[f"source/{sd}"]) for sd in seeds
-           if f"{method}/{sd}" in curves and f"source/{sd}" in curves]
-  pairs = [(c, s) for c, s in pairs if c["seen"] and c["seen"] == s["seen"]]  # the same stream: same points
-  if not pairs:
-    return None
-  return pairs[0][0]["seen"], np.mean([np.asarray(c["accuracy"]) - np.asarray(s["accuracy"]) for c, s in pairs], 0)
-
-
-PLOTS = ("gain_over_source.png", "accuracy_per_corruption.png", "running_accuracy.png")  # what `plot` writes
-
-
-def plot(out_dir: str, records: Sequence[dict], curves: dict[str, Any], corruptions: Sequence[str],
-         methods: Sequence[str]) -> list[str]:
-  """Each method's gain over Source (when Source ran), per-corruption accuracy bars, running accuracy."""
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  def save(fig, name: str) -> str:
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, name), dpi=120)
-    plt.close(fig)
-    return os.path.join(out_dir, name)
-
-  paths = []
-  others = [m for m in methods if m != "source"]
-  if "source" in methods and others:
-    # What a reader wants first: how much each method gains over Source, per corruption and along the stream.
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(min(16, max(10, 0.2 * len(corruptions) * len(others) + 5)), 4.5),
-                                   gridspec_kw=dict(width_ratios=[2, 1]))
-    src = _accuracy(records, "source", corruptions)
-    _bars(ax1, {m: _accuracy(records, m, corruptions) - src for m in others}, corruptions)
-    ax1.set_ylabel("accuracy gain over Source (points)")
-    for m in others:
-      gain = _running_gain(curves, m)
-      if gain is not None:
-        ax2.plot(gain[0], 100 * gain[1], label=m)
-    ax2.set_xlabel("images seen")
-    ax2.set_ylabel("running accuracy gain over Source (points)")
-    for ax, size in ((ax1, 8), (ax2, 7)):
-      ax.axhline(0, color="k", lw=0.8)
-      ax.legend(fontsize=size)
-    paths.append(save(fig, PLOTS[0]))
-
-  fig, ax = plt.subplots(figsize=(min(16, max(6, 0.2 * len(corruptions) * len(methods) + 3)), 4))
-  _bars(ax, {m: _accuracy(records, m, corruptions) for m in methods}, corruptions)
-  ax.set_ylabel("accuracy (%)")
-  ax.set_ylim(0, 100)
-  ax.legend(fontsize=8)
-  paths.append(save(fig, PLOTS[1]))
-
-  fig, ax = plt.subplots(figsize=(7, 4))
-  for key, c in curves.items():
-    if c["seen"]:
-      ax.plot(c["seen"], 100 * np.asarray(c["accuracy"]), label=key)
-  ax.set_xlabel("images seen")
-  ax.set_ylabel("running accuracy (%)")
-  ax.set_ylim(0, 100)
-  ax.legend(fontsize=7)
-  paths.append(save(fig, PLOTS[2]))
-  return paths
-
-
 def versions() -> dict[str, str]:
   """The versions and devices a run ran with (results.json)."""
   import flax
@@ -175,9 +93,11 @@ def caption(records: Sequence[dict], cfg: Any) -> str:
             f"severity {cfg.severity}, " if any(r.get("severity") is not None for r in records) else "")
   seeds = sorted({r["seed"] for r in records})
   per = "domain (per segment)" if cfg.setting == "gradual" else "domain"
+  over = (f"mean ± std over seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else
+          f"one seed ({seeds[0]}), no std" if seeds else "no seed")
   return (f"Online accuracy (%) of each method on each domain and their average ({stream}setting "
-          f"{cfg.setting}), mean ± std over seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}; "
-          f"{count} images per {per}; {cfg.dataset}, checkpoint {cfg.checkpoint}.\n\n")
+          f"{cfg.setting}), {over}; {count} image{'' if images == [1] else 's'} per {per}; {cfg.dataset}, "
+          f"checkpoint {cfg.checkpoint}.\n\n")
 
 
 _PREDICTIONS = re.compile(r"_.+_(\d+(\.\d+)?|None)_seed\d+\.npz$")  # `predictions_file`'s names after the method's
@@ -191,7 +111,7 @@ def remove_outputs(out: str, log) -> None:
   """A fresh run owns its output folder's results: it removes those of an earlier run (results, table, plots and
   predictions files), so that none is taken for its own: a stale "complete" result, or the predictions of a
   method it does not run. Only files named as the harness names them go; the user's other files stay."""
-  gone = [os.path.join(out, n) for n in ("results.json", "results.csv", "table.md") + PLOTS]
+  gone = [os.path.join(out, n) for n in ("results.json", "results.csv", "table.md") + plots.PLOTS]
   pred_dir = os.path.join(out, "predictions")
   if os.path.isdir(pred_dir):
     gone += [os.path.join(pred_dir, f) for f in sorted(os.listdir(pred_dir))
@@ -199,6 +119,7 @@ def remove_outputs(out: str, log) -> None:
   gone = [p for p in gone if os.path.isfile(p)]
   for p in gone:
     os.remove(p)
+  events.remove(out)
   if any(os.path.dirname(p) == pred_dir for p in gone):
     log(f"removed {sum(os.path.dirname(p) == pred_dir for p in gone)} predictions files of an earlier run from "
         f"{pred_dir}")
@@ -299,7 +220,8 @@ def write_outputs(setup: Any, progress: Any, log) -> dict:
   write_csv(os.path.join(cfg.output, "results.csv"), records)
   with open(os.path.join(cfg.output, "table.md"), "w") as f:
     f.write(caption(records, cfg) + tbl)
-  plots = plot(cfg.output, records, progress.curves, setup.columns(), cfg.methods)
+  events.write_results(cfg.output, records, setup.columns(), cfg.methods, caption(records, cfg) + tbl)
+  drawn = plots.plot(cfg.output, records, progress.curves, setup.columns(), cfg.methods)
   setup.resume.clear()
   log(tbl)
   if setup.spec.open_set:  # VisDA-2021: the papers count every sample; the official metric known classes only
@@ -309,5 +231,6 @@ def write_outputs(setup: Any, progress: Any, log) -> dict:
           f"known-class samples {100 * np.mean([r['accuracy_known'] for r in recs]):.2f}%")
   if progress.skipped:
     log(f"skipped {len(progress.skipped)} unreadable images (listed in results.json)")
-  log(f"wrote {cfg.output}/results.json, results.csv, table.md, {', '.join(os.path.basename(p) for p in plots)}")
+  log(f"wrote {cfg.output}/results.json, results.csv, table.md, {', '.join(os.path.basename(p) for p in drawn)}"
+      f"; curves: tensorboard --logdir {events.root(cfg.output)}")
   return out

@@ -12,7 +12,8 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from pcsr_jax import ccc_stream, checkpoint, distributed, methods, platforms, progress, results, source_stats, units
+from pcsr_jax import (ccc_stream, checkpoint, distributed, events, methods, platforms, progress, results, source_stats,
+                      units)
 from pcsr_jax.config import RunConfig
 from pcsr_jax.data import datasets, sources, streams
 from pcsr_jax.data.loader import Loader
@@ -238,6 +239,7 @@ def _start_progress(cfg: RunConfig, resume: Resume, exchange: distributed.Exchan
     if main:
       for key in again:
         resume.forget_unit(key)
+        events.remove_unit(cfg.output, key)  # it runs again from its start: its events too
       resume.rewrite(manifest)
   return done, resume_run
 

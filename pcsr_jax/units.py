@@ -67,7 +67,10 @@ def device_groups(devices: Sequence[Any], per_unit: Optional[int], units: int) -
   if per_unit is None:
     per_unit = 1 if devices and devices[0].platform in ("gpu", "tpu") and units > n else n
   if not 1 <= per_unit <= n:
-    raise UserError(f"--devices-per-unit: expected 1 to {n} (the local devices), got {per_unit}")
+    cpu = bool(devices) and devices[0].platform == "cpu"
+    raise UserError(f"--devices-per-unit: expected 1 to {n} (the local devices), got {per_unit}" +
+                    (f"; on a CPU host, --cpu-devices {per_unit} splits the CPU into {per_unit} devices" if cpu
+                     else ""))
   return [list(devices[i:i + per_unit]) for i in range(0, n - per_unit + 1, per_unit)]
 
 
@@ -123,14 +126,24 @@ class Queue:
 
 
 class Stop:
-  """SIGINT/SIGTERM set ``requested`` (in the main thread); every executor saves its unit's progress at its next
-  batch and returns."""
+  """SIGINT/SIGTERM set ``requested`` and say so at once (in the main thread); every executor lets its step in
+  flight finish, saves its unit's progress at that last finished batch and returns. A second signal quits at
+  once (`KeyboardInterrupt`), the progress as last saved."""
 
   requested = False
 
+  def __init__(self, log=print):
+    self.log = log
+
+  def _on(self, signum: int, frame: Any) -> None:
+    if self.requested:
+      raise KeyboardInterrupt
+    self.requested = True
+    self.log(f"{signal.Signals(signum).name}: stopping; each unit's progress is saved at its last finished batch "
+             f"once its step in flight is done (again to quit at once, without saving)")
+
   def __enter__(self):
-    on = lambda signum, frame: setattr(self, "requested", True)
-    self._old = {s: signal.signal(s, on) for s in (signal.SIGINT, signal.SIGTERM)}
+    self._old = {s: signal.signal(s, self._on) for s in (signal.SIGINT, signal.SIGTERM)}
     return self
 
   def __exit__(self, *exc):

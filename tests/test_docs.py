@@ -119,3 +119,36 @@ def test_benchmark_commands_run_them_as_modules():
   assert not old, f"run as `python -m benchmarks.<name>` from the repository root: {old}"
   assert not missing, missing
   assert "benchmarks.step_throughput" in seen and "benchmarks.gpu_report" in seen, seen
+
+
+@pytest.mark.core
+def test_the_parameter_paths_snippet_of_docs_methods_prints_what_the_page_shows():
+  """docs/methods.md's snippet, run as written over the committed checkpoint: its output is the page's next
+  block, so the module names a method's `is_trainable` sees stay the model's."""
+  text = _read("docs/methods.md")
+  m = re.search(r"```python\n(# parameter paths.*?)```\n\n```text\n(.*?)```", text, flags=re.S)
+  assert m, "docs/methods.md has no parameter-paths snippet followed by its output"
+  r = subprocess.run([sys.executable, "-c", m.group(1)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert r.stdout == m.group(2)
+  assert all(f"('{name}'" in m.group(2) for name in ("blocks_0", "norm", "head", "cls_token", "pos_embed"))
+
+
+def test_the_readme_says_how_to_run_again_what_the_first_run_costs_and_where_the_curves_are():
+  """After `bash scripts/main.sh` a user needs the venv to run again (`python3` outside it has no jax), the
+  first run's one-off cost (the cache) on a named CPU, and the TensorBoard command; main.sh says it too."""
+  text = _read("README.md")
+  assert "`. .venv/bin/activate`" in text and "`bash scripts/main.sh ARGS`" in text
+  assert re.search(r"cache\s+once \(19,200 corrupted images: \d+ s\).*2-core AMD EPYC", text, flags=re.S)
+  assert re.search(r"^    tensorboard --logdir runs/builtin/tensorboard$", text, flags=re.M)
+  assert ". .venv/bin/activate" in _read("scripts/main.sh") and "exec " not in _read("scripts/main.sh")
+  rows = re.findall(r"^\| ([\w-]+(?: / [\w-]+)*) \| \d", text, flags=re.M)
+  assert rows and not [r for r in rows if "/" in r], f"a results row of several methods: {rows}"
+
+
+def test_every_docs_page_opens_with_what_it_answers_and_its_key_figures():
+  """A reader sees first what a page answers and its key figures, in a table, before its detail."""
+  for page in PAGES[1:]:
+    head = _read(page).split("\n## ", 1)[0]
+    assert "**This page answers**" in head, page
+    assert "| key figure | value |\n|---|---|\n| " in head, page

@@ -172,7 +172,10 @@ def cases(world, command: str, mode: str) -> list[tuple[list[str], object]]:
           (["--setting", "ccc", "--corruptions", "fog"], r"^--corruptions: --setting ccc walks its own"),
           (["--setting", "ccc", "--no-shuffle"], r"^--no-shuffle: --setting ccc draws its own order"),
           (["--preset", "table1"], {"methods": lambda v: len(v) > 10}),
-          (["--preset", "level3"], r"^--preset level3 needs --data"),
+          (["--preset", "level3"], r"^--preset level3: ImageNet-C at severity 3; it needs --data or --clean-data "
+                                    r"with --checkpoint\. Without --data \(the built-in benchmark\) the one preset "
+                                    r"is table1 \(every method\); for this setting on the built-in benchmark, give "
+                                    r"--severity 3 instead$"),
           (["--dataset", "imagenet_c"], r"^--dataset: needs --data"),
           (["--label-shift-indices", "x.npy"], r"^--label-shift-indices: needs --data"),
           (["--corrupt-on", "device"], r"^--corrupt-on device: the device path corrupts --clean-data's images")]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -228,6 +229,7 @@ def test_loader_processes_same_results_and_ctrl_c_of_the_process_group_saves_pro
   stdout, stderr = p.communicate(timeout=300)
   assert p.returncode == 130, stderr
   assert "interrupted: progress saved" in stdout + stderr
+  assert "SIGINT: stopping; each unit's progress is saved at its last finished batch" in stdout
   resumed = cli(*args, "--loader", "processes", "--output", str(out), "--resume")
   assert resumed.returncode == 0, resumed.stderr
   assert "resuming from" in resumed.stdout
@@ -235,6 +237,38 @@ def test_loader_processes_same_results_and_ctrl_c_of_the_process_group_saves_pro
     x, y = np.load(tmp_path / "full" / "predictions" / f), np.load(out / "predictions" / f)
     for k in ("file_names", "labels", "predictions"):
       np.testing.assert_array_equal(x[k], y[k], err_msg=f"{f}:{k}")
+
+
+@pytest.mark.parametrize("slow", [True, False])
+def test_a_stop_saves_the_last_finished_batch_and_says_so_at_once(world, tmp_path, monkeypatch, slow):
+  """SIGINT during a unit: the line that says the run stops comes at once (before any further batch line), the
+  batch after the signal is not run, the progress is saved at the last finished batch, and the resumed run gives
+  the uninterrupted records. ``slow``: every step counts as long (`harness.SLOW_STEP_S` 0), so each is awaited
+  before the next is queued."""
+  from pcsr_jax import runlog
+
+  monkeypatch.setattr(runlog, "LINE_EVERY_S", 0.0)  # a line per batch
+  if slow:
+    monkeypatch.setattr(harness, "SLOW_STEP_S", 0.0)
+  full = harness.run(cfg(world, tmp_path / "full", methods=("tent",), batch_size=4), log=lambda *a: None)
+  lines = []
+
+  def log(line, *a, **k):
+    lines.append(line)
+    if line.startswith("tent/seed1/fog: batch 2 of"):
+      os.kill(os.getpid(), signal.SIGINT)  # the handler runs as this returns, before the next batch
+
+  out = tmp_path / "stopped"
+  with pytest.raises(SystemExit) as e:
+    harness.run(cfg(world, out, methods=("tent",), batch_size=4, progress=True), log=log)
+  assert e.value.code == 130
+  k = next(i for i, l in enumerate(lines) if l.startswith("tent/seed1/fog: batch 2 of"))
+  assert lines[k + 1].startswith("SIGINT: stopping; each unit's progress is saved at its last finished batch")
+  assert not any(l.startswith("tent/seed1/fog: batch 3 of") for l in lines)
+  assert [(u["key"], u["batch"]) for u in hf.open_units(out)] == [("tent/seed1/fog", 2)]
+  resumed = harness.run(cfg(world, out, methods=("tent",), batch_size=4, resume=True), log=lambda *a: None)
+  assert [(r["corruption"], r["accuracy"]) for r in resumed["records"]] == \
+      [(r["corruption"], r["accuracy"]) for r in full["records"]]
 
 
 def test_tfds_path_with_mock_data(world, tmp_path):
@@ -252,12 +286,12 @@ def test_tfds_path_with_mock_data(world, tmp_path):
 
 
 def load_script(name):
-  import importlib.util
+  """The module whose ``main`` the command file ``experiments/<name>.py`` runs (its ``run_cli("module:main")``)."""
+  import importlib
 
-  spec = importlib.util.spec_from_file_location(f"exp_{name}", os.path.join(ROOT, "experiments", f"{name}.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  with open(os.path.join(ROOT, "experiments", f"{name}.py")) as f:
+    [module] = re.findall(r'run_cli\("([\w.]+):main"', f.read())
+  return importlib.import_module(module)
 
 
 @pytest.mark.slow
@@ -295,12 +329,20 @@ def test_visda_reports_all_sample_and_known_class_accuracy(tmp_path):
   assert not hits[~known].any()  # label 1000 is never predicted: those samples always count as wrong
 
 
-def test_progress_is_one_line_per_segment_without_a_terminal(world, tmp_path):
+@pytest.mark.parametrize("setting", ["normal", "continual"])
+def test_progress_is_one_line_per_domain_without_a_terminal(world, tmp_path, setting):
+  """One line per finished domain, whether the unit is the domain (normal) or the whole stream (continual), and
+  one per method and seed at the end: never a second line for the same domain."""
   lines = []
-  harness.run(cfg(world, tmp_path, methods=("source",), progress=True), log=lines.append)  # pytest: not a tty
+  harness.run(cfg(world, tmp_path, methods=("source",), progress=True, setting=setting), log=lines.append)
   seg = [l for l in lines if l.startswith("source/seed1 ")]
   assert [l.split(":")[0] for l in seg] == [f"source/seed1 {c}" for c in CORR]
-  assert "running accuracy" in seg[0] and "over 20 images" in seg[0] and "over 40 images" in seg[1]
+  assert "running" in seg[0] and "over 20 images" in seg[0] and "over 40 images" in seg[1]
+  done = [f"units {k} of {len(CORR)} done" for k in range(1, len(CORR) + 1)] if setting == "normal" else \
+      ["units 0 of 1 done"] * (len(CORR) - 1) + ["units 1 of 1 done"]
+  assert [l.split("; ")[-1].split(",")[0] for l in seg] == done
+  assert [l for l in lines if l.startswith("source/seed1:")] == [
+      next(l for l in lines if l.startswith("source/seed1:"))]  # the method and seed's line, once
 
 
 def test_the_log_file_the_domain_lines_the_minute_lines_and_the_table_caption(world, tmp_path, monkeypatch):
@@ -313,17 +355,23 @@ def test_the_log_file_the_domain_lines_the_minute_lines_and_the_table_caption(wo
   lines = []
   res = harness.run(cfg(world, tmp_path, methods=("source",), progress=True, batch_size=4), log=lines.append)
   logged = (tmp_path / "log.txt").read_text()
-  assert logged == "".join(f"{line}\n" for line in lines)
-  for rec in res["records"]:
+  stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d"  # every entry of log.txt after its time; a table on the next line
+  entries = [stamp + ("\n" if "\n" in line.rstrip() else " ") + re.escape(line) + "\n" for line in lines]
+  assert re.fullmatch("".join(entries), logged), logged[:2000]
+  assert lines[0].startswith("run into ") and "methods source; seed 1; setting normal" in lines[0]
+  units = len(res["records"])
+  for k, rec in enumerate(res["records"]):  # one line per domain, with the unit done
     c = rec["corruption"]
-    line = next(l for l in lines if l.startswith(f"source/seed1 {c}:"))
-    assert f"accuracy {100 * rec['accuracy']:.1f}% on {c} (20 images); running accuracy" in line, line
+    [line] = [l for l in lines if l.startswith(f"source/seed1 {c}:")]
+    assert re.fullmatch(rf"source/seed1 {c}: accuracy {100 * rec['accuracy']:.1f}% \(20 images\); running "
+                        rf"\d+\.\d% over {20 * (k + 1)} images; \d+\.\d img/s; units {k + 1} of {units} done"
+                        rf"(, about .* left)?", line), line
   batch_lines = [l for l in lines if l.startswith("source/seed1/") and ": batch " in l]  # a unit per domain
   assert [l.split(" (")[0] for l in batch_lines] == [f"source/seed1/{r['corruption']}: batch {k} of 5"
                                                      for r in res["records"] for k in range(1, 6)]
   caption = (tmp_path / "table.md").read_text().split("\n")[0]
   assert caption.startswith("Online accuracy (%) of each method on each domain and their average (severity 5, "
-                            "setting normal), mean ± std over seed 1; 20 images per domain")
+                            "setting normal), one seed (1), no std; 20 images per domain")
   harness.run(cfg(world, tmp_path, methods=("source",), resume=True), log=lambda *a: None)
   again = (tmp_path / "log.txt").read_text()
   assert again.startswith(logged) and len(again) > len(logged)

@@ -114,8 +114,11 @@ def test_two_processes_match_one_and_write_one_set_of_outputs(builtin_runs):
   print(f"tent vs source: {differ} of 96 predictions differ")
   assert differ > 0
   # One set of outputs, the same files as the one-process run, nothing left behind by either process.
-  listing = lambda p: sorted(os.path.relpath(os.path.join(r, f), p) for r, _, fs in os.walk(p) for f in fs)
+  # (an event file's name holds its time and process: compared by its run, one file each)
+  name = lambda f: "events.out.tfevents" if f.startswith("events.out.tfevents.") else f
+  listing = lambda p: sorted(os.path.relpath(os.path.join(r, name(f)), p) for r, _, fs in os.walk(p) for f in fs)
   assert listing(d / "two") == listing(d / "one")
+  assert any(f.startswith("tensorboard/units/") for f in listing(d / "two"))
   assert "wrote " in log0 and "| tent |" in log0
   assert "wrote " not in log1 and "| tent |" not in log1 and "built-in benchmark" not in log1  # only 0 speaks
   assert json.loads((d / "two" / "results.json").read_text())["processes"] == 2

@@ -49,8 +49,11 @@ def test_device_groups():
   assert [len(g) for g in units.device_groups(gpus, None, 30)] == [1] * 8  # more units than GPUs: one each
   assert [len(g) for g in units.device_groups(gpus, None, 4)] == [8]
   assert [len(g) for g in units.device_groups(gpus, 3, 30)] == [3, 3]  # two devices left idle
-  with pytest.raises(UserError, match=r"^--devices-per-unit: expected 1 to 2 \(the local devices\), got 3$"):
+  with pytest.raises(UserError, match=r"^--devices-per-unit: expected 1 to 2 \(the local devices\), got 3; on a "
+                                     r"CPU host, --cpu-devices 3 splits the CPU into 3 devices$"):
     units.device_groups(cpus, 3, 30)
+  with pytest.raises(UserError, match=r"^--devices-per-unit: expected 1 to 8 \(the local devices\), got 9$"):
+    units.device_groups(gpus, 9, 30)  # a GPU host: no word of --cpu-devices
 
 
 def test_the_queue_hands_each_unit_out_once_prefers_a_compiled_step_and_takes_units_back():
@@ -87,11 +90,11 @@ def test_the_time_left_weighs_the_units_left_by_their_expected_cost():
   t = runlog.Units(plan, set(), lines.append, say_starts=False, passes={"source": 1.0, "memo": 193.0})
   assert t.time_left() is None  # nothing timed yet
   done = type("Up", (), dict(seen=100, correct=50, total_seconds=1.0))
-  t.finish(plan[0], done)
+  t.finish(plan[0], done, "c0", [dict(num_samples=100, accuracy=0.5)])
   # 10 s of wall time for 1 s of Source's cost: left 2 Source units (2 s) + 3 MEMO units (3 x 193 s)
   assert t.time_left(now=t.t0 + 10) == pytest.approx(10 * (2 * 1.0 + 3 * 193.0) / 1.0)
   assert "units 1 of 6 done, about" in lines[-1]
-  t.finish(plan[3], type("Up", (), dict(seen=100, correct=10, total_seconds=50.0)))  # MEMO timed: 0.5 s/image
+  t.finish(plan[3], type("Up", (), dict(seen=100, correct=10, total_seconds=50.0)), "c0", [])  # MEMO: 0.5 s/image
   # done: Source 1 s + MEMO 50 s of cost in the 20 s; left: 2 Source (2 s), 2 MEMO (100 s)
   assert t.time_left(now=t.t0 + 20) == pytest.approx(20 * (2.0 + 100.0) / 51.0)
 

@@ -23,16 +23,20 @@ import os
 import sys
 from typing import Sequence
 
-from pcsr_jax import methods
+from pcsr_jax import method_names
+from pcsr_jax.errors import UserError
 from pcsr_jax.experiments import common
-from pcsr_jax.methods.pcsr import PCSR
+
+# PCSR's paper learning rates for ViT-L/16 (`PCSR.lrs('vit_large')`, kept equal by tests/test_methods.py): written
+# out so that this module, which parses the flags, imports neither jax nor the methods.
+VIT_LARGE_LRS = dict(lr_dsn=0.05, lr_fgn=0.0001)
 
 PRESETS = {
     # Every method that exists (the paper's Table 1 rows we have, and the strongest ViT baselines since).
     # CFA and FOA need --source-data (ImageNet train with labels for CFA, val for FOA; EATA's Fisher: val);
     # DePT-G its source-stage prompts: --method-args '{"dept-g": {"prompts": DIR}}' (experiments/train_prompts.py).
     "table1": dict(severity=5, setting="normal", batch_size=64, seeds=(2022, 2023, 2024),
-                   methods=tuple(methods.REGISTRY)),
+                   methods=method_names.NAMES),
     "level3": dict(severity=3, setting="normal", batch_size=64, seeds=(2022, 2023, 2024)),
     # The continual protocol of CoTTA, DPCore and REM: the 15 corruptions in a row, reset once at the start.
     # Their papers report error rates on 5,000 images per corruption (RobustBench's); this runs every image.
@@ -40,8 +44,26 @@ PRESETS = {
     "continual": dict(severity=5, setting="continual", batch_size=64, seeds=(2022, 2023, 2024),
                       methods=("source", "tent", "cotta", "eata", "sar", "rem", "dpcore", "pcsr")),
     "vit_large": dict(severity=5, setting="normal", batch_size=64, seeds=(2022, 2023, 2024),
-                      method_args={m: PCSR.lrs("vit_large") for m in ("pcsr", "pcsr-frozen")}),
+                      method_args={m: dict(VIT_LARGE_LRS) for m in ("pcsr", "pcsr-frozen")}),
 }
+# What each preset but table1 is for, and its nearest form on the built-in benchmark (`check_preset`).
+PRESET_NEEDS = {
+    "level3": ("ImageNet-C at severity 3", "--severity 3"),
+    "continual": ("the continual methods' ImageNet-C protocol (the 15 corruptions in a row, reset once)",
+                  "--setting continual"),
+    "vit_large": ("PCSR's learning rates for a ViT-L/16 --checkpoint on ImageNet-C", None),
+}
+
+
+def check_preset(a) -> None:
+  """The built-in benchmark (no --data) runs only --preset table1: a plain one-line refusal of the others that
+  says what they are for and what they need."""
+  if not common.is_builtin(a) or a.preset in (None, "table1"):
+    return
+  what, here = PRESET_NEEDS[a.preset]
+  raise UserError(f"--preset {a.preset}: {what}; it needs --data or --clean-data with --checkpoint. Without "
+                  f"--data (the built-in benchmark) the one preset is table1 (every method)"
+                  + (f"; for this setting on the built-in benchmark, give {here} instead" if here else ""))
 
 
 def builtin_run(a) -> int:
@@ -64,13 +86,13 @@ def _builtin_runs(a, cfg, t0: float, say) -> int:
   import dataclasses
   import time
 
-  from pcsr_jax import checkpoint, harness
+  from pcsr_jax import checkpoint, harness, methods
 
   acc = checkpoint.load_meta(cfg.checkpoint, kind="vit").get("training", {}).get("clean_test_accuracy")
+  seeds = f"seed{'s' if len(cfg.seeds) > 1 else ''} {','.join(map(str, cfg.seeds))}"
   say(f"no --data: built-in benchmark, Fashion-MNIST-C (real Fashion-MNIST test images, CIFAR-10-C-strength "
-      f"corruptions), {_describe(cfg, a)}; seeds {','.join(map(str, cfg.seeds))}, batch {cfg.batch_size}; source "
-      f"model {cfg.checkpoint}" + (f" (clean test accuracy {100 * acc:.2f}%)" if acc is not None else ""),
-      flush=True)
+      f"corruptions), {_describe(cfg, a)}; {seeds}, batch {cfg.batch_size}; source model {cfg.checkpoint}"
+      + (f" (clean test accuracy {100 * acc:.2f}%)" if acc is not None else ""), flush=True)
   orders = ("before", "after") if a.eval_order == "both" else (cfg.eval_order,)
   results = {}
   for order in orders:
@@ -91,6 +113,7 @@ def _describe(cfg, a) -> str:
   """The built-in run's stream, for its first line."""
   from pcsr_jax import ccc_stream
   from pcsr_jax.experiments import builtin
+  from pcsr_jax.runlog import plural
 
   images = cfg.images_per_corruption
   if cfg.setting == "ccc":  # one walk over the test images (pcsr_jax.ccc_stream)
@@ -98,7 +121,8 @@ def _describe(cfg, a) -> str:
             f"images, target {cfg.ccc_target:g}%, walk seed {cfg.corruption_seed}")
   what = (f"setting {cfg.setting}: {'severities 1..5..1' if cfg.setting == 'gradual' else f'severity {cfg.severity}'}"
           f"; {images:,} images per corruption (the first {images:,} of the 10,000 test images)"
-          + (f", at most {cfg.limit:,} of them each" if cfg.limit else "") + f", {len(cfg.corruptions)} corruptions")
+          + (f", at most {cfg.limit:,} of them each" if cfg.limit else "") + ", "
+          + plural(len(cfg.corruptions), "corruption"))
   slow = [m for m in cfg.methods if m in builtin.METHOD_IMAGES]
   if not a.full and a.images is None and images < builtin.DEFAULT_IMAGES and slow:
     what += f"; {images} images per corruption because {', '.join(slow)} is slow (--images to change)"
@@ -117,11 +141,13 @@ def parser() -> common.ArgumentParser:
 
 def configs(a) -> dict:
   """``{row: RunConfig}`` of the flags (`common.config_from_args`): one run."""
+  check_preset(a)
   return {"": common.config_from_args(a, PRESETS)[0]}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
   a = parser().parse_args(argv)
+  check_preset(a)
   common.start_devices(a)
   if common.is_builtin(a):
     return builtin_run(a)

@@ -18,6 +18,7 @@ import sys
 import typing
 
 from pcsr_jax.errors import UserError, check_fields
+from pcsr_jax.method_names import did_you_mean
 from pcsr_jax.methods.base import AdaptState, Method, Prepared
 from pcsr_jax.methods.adacontrast import AdaContrast
 from pcsr_jax.methods.cfa import CFA
@@ -124,7 +125,8 @@ def origin(name: str) -> str:
 def get(name: str, **hyperparameters) -> Method:
   """The method registered as ``name`` with the given hyperparameters (over the variant's overrides)."""
   if name not in REGISTRY:
-    raise UserError(f"unknown method '{name}': expected one of {', '.join(REGISTRY)}")
+    raise UserError(f"unknown method '{name}'{did_you_mean(name, tuple(REGISTRY))}: expected one of "
+                    f"{', '.join(REGISTRY)}")
   cls, overrides = REGISTRY[name]
   check_fields(cls, hyperparameters, name, "unknown hyperparameters")
   return cls(**{**overrides, **coerce(cls, hyperparameters, name)})

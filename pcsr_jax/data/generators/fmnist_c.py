@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -120,7 +121,9 @@ class Store:
         todo.append((c, s, images, have))
     if todo:
       total = sum(n - have for *_, have in todo)
-      self.log(f"fmnist-c cache: generating {total:,} corrupted images into {self.dir} (once)")
+      self.log(f"fmnist-c cache: generating {total:,} corrupted images into {self.dir} (once; later runs read "
+               f"them)")
+      t0 = time.monotonic()
       with tqdm(total=total, desc="Fashion-MNIST-C", unit="img", disable=not progress, leave=False) as bar:
         for c, s, images, have in todo:
           parts = [] if images is None else [images]
@@ -131,6 +134,7 @@ class Store:
           full = np.concatenate(parts)
           self._write(c, s, full)
           out[(c, s)] = full
+      self.log(f"fmnist-c cache: {total:,} images generated in {time.monotonic() - t0:.0f} s")
     return out
 
 
