@@ -202,6 +202,7 @@ def execute(setup: Any, queue: units.Queue, tracker: runlog.Units, stop: Any, lo
   if not left:
     return True
   disconnect = connect(cfg.ray_address)
+  stop.install()  # ray.init's SIGTERM handler out: a signal stops the run, each actor saving its unit's progress
   actors: list = []
   try:
     resources = ray.cluster_resources()

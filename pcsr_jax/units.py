@@ -143,8 +143,14 @@ class Stop:
              f"once its step in flight is done (again to quit at once, without saving)")
 
   def __enter__(self):
-    self._old = {s: signal.signal(s, self._on) for s in (signal.SIGINT, signal.SIGTERM)}
+    self._old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    self.install()
     return self
+
+  def install(self) -> None:
+    """Puts the handlers (back) in place: ``ray.init`` sets a SIGTERM handler of its own."""
+    for s in (signal.SIGINT, signal.SIGTERM):
+      signal.signal(s, self._on)
 
   def __exit__(self, *exc):
     for s, h in self._old.items():

@@ -10,27 +10,15 @@ import json
 import os
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
-import harness_fixtures as hf
 from pcsr_jax import harness
-
-pytest.importorskip("tensorboard")
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
-from tensorboard.backend.event_processing.event_file_loader import EventFileLoader  # noqa: E402
-
-CORR = ("gaussian_noise", "fog")
+from test_harness import cfg, world  # noqa: F401 -- the harness tests' data world (a fixture) and its configs
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-  return hf.make_world(tmp_path_factory.mktemp("world"), CORR, classes=4, per_class=5)
-
-
-def _cfg(world, out, **kw):
-  base = dict(data=str(world / "data"), checkpoint=str(world / "ckpt"), output=str(out), corruptions=CORR,
-              seeds=(1,), batch_size=4, progress=False, methods=("source", "tent"))
-  base.update(kw)
-  return harness.RunConfig(**base)
+def _cfg(world, out, **kw):  # noqa: F811 -- ``world`` is the fixture's value
+  return cfg(world, out, **{"batch_size": 4, "methods": ("source", "tent"), **kw})
 
 
 def _read(run_dir) -> EventAccumulator:

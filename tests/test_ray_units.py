@@ -19,7 +19,7 @@ import pytest
 import harness_fixtures as hf
 from pcsr_jax import harness
 from pcsr_jax.errors import UserError
-from test_units import ROOT, same_tables
+from test_units import ROOT, reference_run, same_tables
 
 # 8 batches per unit, progress saved after each: a unit is under way long enough to lose its node or driver.
 ARGS = ["--methods", "source,tent", "--corruptions", "fog,contrast", "--images", "128", "--batch-size", "16",
@@ -38,11 +38,7 @@ def start(*args):
 
 @pytest.fixture(scope="module")
 def sequential(tmp_path_factory):
-  """The reference: one process, one device, the units one after another."""
-  out = tmp_path_factory.mktemp("ray") / "sequential"
-  r = cli(*ARGS, "--output", str(out))
-  assert r.returncode == 0, r.stderr[-3000:]
-  return out
+  return reference_run(tmp_path_factory.mktemp("ray") / "sequential", ARGS)
 
 
 @pytest.fixture
@@ -68,7 +64,7 @@ def wait_under_way(out, proc, min_batch: int = 2, timeout: float = 300) -> None:
 
 
 def unit_lines(stdout: str) -> list[str]:
-  return [line for line in stdout.splitlines() if re.match(r"^\w+/seed\d+/\w+: accuracy", line)]
+  return [line for line in stdout.splitlines() if re.match(r"^\w+/seed\d+ \w+: accuracy", line)]
 
 
 @pytest.mark.slow
@@ -110,17 +106,23 @@ def test_a_node_removed_mid_unit_leaves_the_table_the_same(sequential, cluster, 
 
 
 @pytest.mark.slow
-def test_a_killed_driver_rerun_with_resume_finishes_the_same_table(sequential, cluster, tmp_path):
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_a_killed_or_stopped_driver_rerun_with_resume_finishes_the_same_table(sequential, cluster, tmp_path, how):
+  """SIGKILL: the driver dies with its lock and (Ray: their owner is gone) its actors; SIGTERM: each actor saves
+  its unit at its next batch and the run exits 130 saying so. Either way ``--resume`` finishes the same table."""
   cluster.add_node(num_cpus=1)
-  out = tmp_path / "killed"
+  out = tmp_path / how
   args = [*ARGS, "--executor", "ray", "--ray-address", cluster.address, "--output", str(out)]
   p = start(*args)
   try:
     wait_under_way(out, p)
+    p.send_signal(getattr(signal, how))
+    stdout, _ = p.communicate(timeout=300)
   finally:
-    p.send_signal(signal.SIGKILL)
-    p.communicate()
-  r = cli(*args, "--resume")  # the lock died with the driver; its actors with it (Ray: their owner is gone)
+    p.kill()
+  if how == "SIGTERM":
+    assert p.returncode == 130 and "SIGTERM: stopping" in stdout and "interrupted: progress saved to" in stdout
+  r = cli(*args, "--resume")
   assert r.returncode == 0, r.stderr[-3000:]
   assert re.search(r"resuming from .*: \d of 4 units done, 1 under way", r.stdout), r.stdout
   same_tables(sequential, out)

@@ -136,13 +136,16 @@ def same_tables(a, b) -> None:
   assert len(hf.same_predictions(a, b)) == 4
 
 
-@pytest.fixture(scope="module")
-def sequential(tmp_path_factory):
-  """The reference: one process, one device, the units one after another."""
-  out = tmp_path_factory.mktemp("units") / "sequential"
-  r = cli(*ARGS, "--output", str(out))
+def reference_run(out, args) -> object:
+  """The reference table: one process, one device, the units one after another; its output folder."""
+  r = cli(*args, "--output", str(out))
   assert r.returncode == 0, r.stderr[-3000:]
   return out
+
+
+@pytest.fixture(scope="module")
+def sequential(tmp_path_factory):
+  return reference_run(tmp_path_factory.mktemp("units") / "sequential", ARGS)
 
 
 @pytest.mark.slow
