@@ -124,7 +124,9 @@ def test_a_killed_or_stopped_driver_rerun_with_resume_finishes_the_same_table(se
     assert p.returncode == 130 and "SIGTERM: stopping" in stdout and "interrupted: progress saved to" in stdout
   r = cli(*args, "--resume")
   assert r.returncode == 0, r.stderr[-3000:]
-  assert re.search(r"resuming from .*: \d of 4 units done, 1 under way", r.stdout), r.stdout
+  # SIGKILL leaves the unit under way at its last save; after SIGTERM its actor may have finished it first
+  under_way = "1" if how == "SIGKILL" else "[01]"
+  assert re.search(rf"resuming from .*: \d of 4 units done, {under_way} under way", r.stdout), r.stdout
   same_tables(sequential, out)
 
 
