@@ -135,11 +135,11 @@ class RunConfig:
     if self.ray_address is not None and self.executor != "ray":
       raise UserError("--ray-address: for --executor ray")
     if self.executor == "ray":  # before any work: Ray installed, the cluster's address well formed and open
-      from pcsr_jax import ray_units
+      from pcsr_jax import ray_cluster
 
-      ray_units.require_ray()
+      ray_cluster.require_ray()
       if self.ray_address is not None:
-        ray_units.check_address(self.ray_address)
+        ray_cluster.check_address(self.ray_address)
     if not (isinstance(self.imbalance_ratio, (int, float)) and math.isfinite(self.imbalance_ratio)
             and self.imbalance_ratio >= 1):
       raise UserError(f"--imbalance-ratio: expected a number >= 1 (1: uniform), got {self.imbalance_ratio}")

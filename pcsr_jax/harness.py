@@ -56,7 +56,7 @@ def run(cfg: RunConfig, log=print) -> dict:
         if cfg.executor == "ray":
           from pcsr_jax import ray_units
 
-          finished = ray_units.execute(setup, queue, tracker, stop, log)
+          finished = ray_units.execute(setup, queue, tracker, stop, log, run_unit, make_adapter)
         else:
           executors = [functools.partial(_executor, setup, queue, mesh, stop, tracker, log) for mesh in setup.groups]
           finished = units.execute(executors, stop)

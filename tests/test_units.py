@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import harness_fixtures as hf
-from pcsr_jax import harness, methods, progress, run_setup, units
+from pcsr_jax import harness, methods, run_setup, units
 from pcsr_jax.data import streams
 from pcsr_jax.errors import UserError
 
