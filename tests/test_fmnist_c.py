@@ -189,7 +189,7 @@ def test_builtin_cli_bad_flags_are_one_line_errors(tmp_path):
   for flags, msg in ((["--full", "--images", "10"], "drop --images"),
                      (["--fashion-mnist-dir", str(tmp_path / "none")], "directory not found"),
                      (["--corruptions", "rain"], "unknown corruption 'rain'"),
-                     (["--preset", "level3"], "--preset level3 needs --data")):
+                     (["--preset", "level3"], "--preset level3: ImageNet-C at severity 3; it needs --data")):
     r = subprocess.run([sys.executable, script, "--output", str(tmp_path / "o"), "--cache-dir", str(tmp_path)]
                        + flags, capture_output=True, text=True)
     assert r.returncode == 2, (flags, r.stderr[-500:])
