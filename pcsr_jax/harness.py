@@ -1,10 +1,10 @@
 """The run loop: the run's units (a method and seed on a domain, or on the whole stream: `units`), one per device
-group at once, each taken from the run's queue, streamed with one compiled step per method and seed, each batch decoded ahead of
-the step and its predictions read one step late (the host never waits on the step it just dispatched). A unit's
-progress is saved every ``checkpoint_every`` batches and on SIGINT/SIGTERM; ``resume=True`` continues
-bit-identically on CPU; ``executor='ray'`` runs the units on a Ray cluster's actors (`ray_units`). Under
-`jax.distributed` every process streams the same global batches (`distributed.batches`); process 0 alone logs
-and writes. Around the loop: `config` (the configuration and its checks), `run_setup` (what the units share),
+group at once, each taken from the run's queue, streamed with one compiled step per method and seed, each batch
+decoded ahead of the step and its predictions read one step late (the host never waits on the step it just
+dispatched). A unit's progress is saved every ``checkpoint_every`` batches and on SIGINT/SIGTERM;
+``resume=True`` continues bit-identically on CPU; ``executor='ray'`` runs the units on a Ray cluster's actors
+(`ray_units`). Under `jax.distributed` every process streams the same global batches (`distributed.batches`);
+process 0 alone logs and writes. Around the loop: `config` (the configuration and its checks), `run_setup` (what the units share),
 `progress` (the progress on disk, the resume keys), `runlog` (log and progress lines), `results` (records and
 outputs).
 """
@@ -103,7 +103,7 @@ class _Unit:
   state: Any
   bar: runlog.Progress
   events: events.UnitEvents
-  pending: Any = None  # (predictions, finite, batch, domain, batch index) of the batch read one step late
+  pending: Any = None  # (predictions, metrics, batch, domain, batch index) of the batch read one step late
   since_save: int = 0
   ready_at: float = dataclasses.field(default_factory=time.perf_counter)  # when the last step's result was read
   step_s: float = 0.0  # the time between the last two results: a step's, once compiled

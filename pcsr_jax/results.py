@@ -4,7 +4,6 @@ run's outputs (`write_outputs`) and the removal of an earlier run's (`remove_out
 from __future__ import annotations
 
 import csv
-import json
 import os
 import re
 import sys
@@ -167,12 +166,6 @@ def record_segment(setup: Any, records: list, unit: Any, seg, method_name: str, 
       np.savez(path, file_names=np.asarray(fn), labels=np.asarray(lab, np.int32),
                predictions=np.asarray(pred, np.int32))
   return out
-
-
-def read(output: str) -> dict:
-  """A finished table's results.json, as `harness.run` returns it."""
-  with open(os.path.join(output, "results.json")) as f:
-    return json.load(f)
 
 
 def finish(setup: Any, log) -> dict:

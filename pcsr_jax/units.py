@@ -14,10 +14,8 @@ executor goes out again (`Queue`) and resumes where it was saved.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import signal
-import socket
 import threading
 from typing import Any, Optional, Sequence
 
@@ -74,11 +72,6 @@ def device_groups(devices: Sequence[Any], per_unit: Optional[int], units: int) -
   return [list(devices[i:i + per_unit]) for i in range(0, n - per_unit + 1, per_unit)]
 
 
-def worker_id() -> str:
-  """This process's name in logs and in the output folder's lock: host and process."""
-  return f"{socket.gethostname()}:{os.getpid()}"
-
-
 # Passes of the backbone a forward (F) and a backward (B, about two forwards' work) stand for, in a method's
 # declared ``cost`` ("2F+2B", "65F+64B", "2F + 50 UNet F+B per image"); the first alternative of "a / b".
 _PASS = re.compile(r"(\d+)\s*(?:UNet\s+)?(F\+B|F|B)")
@@ -95,7 +88,7 @@ def declared_passes(method: Method) -> float:
 class Queue:
   """Which unit each executor (a device group of this process, or a Ray actor) runs next: the units in plan
   order, each handed out once, those already done skipped; a unit given back unfinished (its executor stopped
-  or died) goes out again, first."""
+  or died) goes out again, in its place in that order."""
 
   def __init__(self, units: Sequence[Unit], done: set):
     self.units, self.done = list(units), set(done)

@@ -113,7 +113,8 @@ def test_a_second_run_on_one_output_is_refused_naming_the_holder(tmp_path):
     r = subprocess.run(other, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and re.fullmatch(
         rf"-c: error: --output {out}: in use by the run {os.uname().nodename}:{os.getpid()} \(since "
-        r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d: first run\); wait for it to end, or give another --output\n", r.stderr), r.stderr
+        r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d: first run\); wait for it to end, or give another --output\n",
+        r.stderr), r.stderr
   r = subprocess.run(other, capture_output=True, text=True, timeout=120)
   assert r.returncode == 0, r.stderr  # released when the first run ended (or died: flock goes with the process)
 

@@ -37,8 +37,8 @@ every LayerNorm at ``args.lr`` = 0.001 * B / 64 (``main.py:305``), and the gener
 ``Attention`` at ``args.dct_lr`` = 0.01 (``main.py:200``; 0.003 for ImageNet-R, ``main.py:229``). At ViT-B's 12
 blocks: the norms and generators of blocks 0-8. At ViT-L's 24: the generators of blocks 9-11 exist (``[:21]``)
 but are skipped by the name test, so they run at their random init and never move; blocks 0-8 and 12-20 adapt
-(72 LayerNorm tensors and 36 generator tensors, 108). The walk order per block is norm1, attn (generator), norm2; it is kept here (it only orders the
-terms of SAM's gradient norm). ``--LN_lr`` (``main.py:199``) is never read. There is no lr doubling under bs1: the
+(72 LayerNorm tensors and 36 generator tensors, 108). The walk order per block is norm1, attn (generator), norm2;
+it is kept here (it only orders the terms of SAM's gradient norm). ``--LN_lr`` (``main.py:199``) is never read. There is no lr doubling under bs1: the
 doubling of ``main.py:322-324`` is for ``--method sar`` only. One SAM (``sam.py``, rho 0.05, not adaptive) over SGD
 with momentum 0.9 (``main.py:383-384``; every group carries its lr).
 
