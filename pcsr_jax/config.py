@@ -84,10 +84,12 @@ class RunConfig:
   # How the run's units run (`pcsr_jax.units`): devices per unit, a unit per group at once (None: one per device
   # on a GPU/TPU host with more units than devices, else all of them in one group); ``executor`` "threads" (this
   # host's device groups) or "ray" (an actor per device group of a Ray cluster, `pcsr_jax.ray_units`) at
-  # ``ray_address`` (None: a local Ray instance on this host).
+  # ``ray_address`` (None: a local Ray instance on this host), waiting up to ``ray_timeout`` seconds for it to
+  # start or answer (None: `ray_cluster.START_TIMEOUT_S` / `CONNECT_TIMEOUT_S`).
   devices_per_unit: Optional[int] = None
   executor: str = "threads"
   ray_address: Optional[str] = None
+  ray_timeout: Optional[float] = None
 
   def validate(self) -> None:
     """Every value checked before any work starts: one line naming the flag on the first bad one. Resolves
@@ -132,12 +134,16 @@ class RunConfig:
     if self.executor == "ray" and distributed.is_multiprocess():
       raise UserError("--executor ray: Ray's actors run the units; --coordinator/--distributed run one job over "
                       "every process (give one or the other)")
-    if self.ray_address is not None and self.executor != "ray":
-      raise UserError("--ray-address: for --executor ray")
+    for flag, value in (("--ray-address", self.ray_address), ("--ray-timeout", self.ray_timeout)):
+      if value is not None and self.executor != "ray":
+        raise UserError(f"{flag}: for --executor ray")
+    if self.ray_timeout is not None and not (isinstance(self.ray_timeout, (int, float)) and
+                                             math.isfinite(self.ray_timeout) and self.ray_timeout > 0):
+      raise UserError(f"--ray-timeout: expected a positive number of seconds, got {self.ray_timeout}")
     if self.executor == "ray":  # before any work: Ray installed, the cluster's address well formed and open
       from pcsr_jax import ray_cluster
 
-      ray_cluster.require_ray()
+      ray_cluster.require_ray(self.ray_address, timeout_s=self.ray_timeout)
       if self.ray_address is not None:
         ray_cluster.check_address(self.ray_address)
     if not (isinstance(self.imbalance_ratio, (int, float)) and math.isfinite(self.imbalance_ratio)

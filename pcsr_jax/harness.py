@@ -120,6 +120,11 @@ def run_unit(setup: Setup, unit: units.Unit, adapter: engine.Adapter, stop: unit
   if rec.progress is not None:
     template = adapter.state_to_host(adapter.init_state())
     state = adapter.state_from_host(setup.resume.restore_state(rec, template))
+    devices = int(adapter.mesh.devices.size)
+    if rec.devices is not None and rec.devices != devices:  # the executor or its groups changed (`HOW_IT_RUNS`)
+      log(f"{unit.key}: saved on {rec.devices} device(s), continuing on {devices}: the rest of it splits each "
+          f"batch over another number of devices, which rounds sums differently (float32); finished units are "
+          f"unaffected")
   up = rec.progress or UnitProgress(key=unit.key)
   segments = [setup.segments[unit.seed][i] for i in unit.segments]
   n_batches = [-(-len(s.indices) // cfg.batch_size) for s in segments]
@@ -194,6 +199,7 @@ def _save(setup: Setup, u: _Unit) -> None:
   u.progress.add_time(time.perf_counter() - u.t_seg)
   u.t_seg = time.perf_counter()
   u.rec.progress = u.progress
+  u.rec.devices = int(u.adapter.mesh.devices.size)
   if distributed.is_main():
     setup.resume.save_unit(u.rec, u.adapter.state_to_host(u.state))
   u.events.flush()

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import hashlib
@@ -23,7 +24,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from pcsr_jax import files
+from pcsr_jax import files, lock
 from pcsr_jax.errors import UserError
 
 
@@ -110,6 +111,7 @@ class UnitRecord:
   skipped: list = dataclasses.field(default_factory=list)
   throughput: Optional[dict] = None
   state_dir: Optional[str] = None
+  devices: Optional[int] = None  # how many devices the saved state's batches were split over
 
   def to_json(self) -> dict:
     return dict(dataclasses.asdict(self), progress=self.progress.to_json() if self.progress else None)
@@ -122,7 +124,8 @@ class UnitRecord:
       raise TypeError("not a unit record")
     if not all(isinstance(d["curve"].get(k), list) for k in ("seen", "correct")):
       raise TypeError("curve of the wrong type")
-    rec = UnitRecord(**{k: d[k] for k in types}, throughput=d.get("throughput"), state_dir=d.get("state_dir"))
+    rec = UnitRecord(**{k: d[k] for k in types}, throughput=d.get("throughput"), state_dir=d.get("state_dir"),
+                     devices=d.get("devices") if isinstance(d.get("devices"), int) else None)
     if d.get("progress") is not None:
       if not isinstance(d["progress"], dict):
         raise TypeError("progress is not an object")
@@ -202,6 +205,7 @@ class Resume:
   def __init__(self, out_dir: str):
     self.dir = os.path.join(os.path.abspath(out_dir), "resume")  # orbax needs absolute paths
     self.path = os.path.join(self.dir, "progress.json")
+    self.fence: Optional[lock.Fence] = None  # a Ray actor's: its driver's hold on the folder, checked per write
 
   def load(self) -> Optional[dict]:
     """The run's saved manifest (``config_key``, ``data_key``, ``units``), None when there is none."""
@@ -251,18 +255,25 @@ class Resume:
     import orbax.checkpoint as ocp
 
     d = self.unit_dir(rec.key)
+    if self.fence is not None:
+      self.fence.check()  # a stale actor writes nothing, not even its state
     os.makedirs(d, exist_ok=True)
+    name = None
     if host_state is not None:
       name = f"state_{time.time_ns()}"
       with _checkpointer() as ck:
         ck.save(os.path.join(d, name), args=ocp.args.StandardSave(host_state))
-      rec.state_dir = name
-    elif rec.progress is None:
-      rec.state_dir = None
-    files.write_json(os.path.join(d, "unit.json"), rec.to_json())  # the switch to the new state is atomic
-    for s in os.listdir(d):
-      if s.startswith("state_") and s != rec.state_dir:
-        shutil.rmtree(os.path.join(d, s), ignore_errors=True)
+    # The switch to the new state (atomic), and the old states' removal; a stale actor's new state stays
+    # unreferenced, and the unit's next save by a live run removes it.
+    with self.fence.writing() if self.fence is not None else contextlib.nullcontext():
+      if name is not None:
+        rec.state_dir = name
+      elif rec.progress is None:
+        rec.state_dir = None
+      files.write_json(os.path.join(d, "unit.json"), rec.to_json())
+      for s in os.listdir(d):
+        if s.startswith("state_") and s != rec.state_dir:
+          shutil.rmtree(os.path.join(d, s), ignore_errors=True)
 
   def restore_state(self, rec: UnitRecord, template: Any) -> Any:
     import orbax.checkpoint as ocp
@@ -284,14 +295,21 @@ class Resume:
 
 # ---------------------------------------------------------------- what --resume must find unchanged
 
+# How a run runs, not what it computes: none is part of the resume key. The executor and its device groups
+# (``devices_per_unit``, which the threads executor fills in from the host's devices and Ray leaves unset) may
+# change between a run and its ``--resume``: finished units keep their records, and a unit under way continues on
+# its new devices (`harness.run_unit` says so when their number differs: the batch split over another number of
+# devices rounds its sums differently, within float32 rounding).
+HOW_IT_RUNS = ("resume", "progress", "workers", "loader", "checkpoint_every", "executor", "ray_address",
+               "ray_timeout", "devices_per_unit")
+
+
 def config_key(config_json: dict, ckpt_digest: str) -> str:
   """What ``--resume`` must find unchanged in the whole run: the settings that change results, and the
-  checkpoint's params (a checkpoint replaced at the same path is another model). ``--source-data`` and
-  ``--source-images`` are checked per unit instead (`run_setup.MethodPlan.source_key`): units that used no source
-  statistics keep their records when they change."""
-  keep = {k: v for k, v in config_json.items()
-          if k not in ("resume", "progress", "workers", "loader", "checkpoint_every", "source_data", "source_images",
-                       "executor", "ray_address")}
+  checkpoint's params (a checkpoint replaced at the same path is another model); not `HOW_IT_RUNS`.
+  ``--source-data`` and ``--source-images`` are checked per unit instead (`run_setup.MethodPlan.source_key`):
+  units that used no source statistics keep their records when they change."""
+  keep = {k: v for k, v in config_json.items() if k not in HOW_IT_RUNS + ("source_data", "source_images")}
   return json.dumps(dict(keep, checkpoint_params=ckpt_digest), sort_keys=True)
 
 
@@ -330,7 +348,9 @@ def check_resumable(manifest: dict, key: str, data_key: str, path: str, checkpoi
       raise UserError(f"{path}: the params of --checkpoint {checkpoint_dir} changed since the progress was saved "
                       f"(replaced or re-converted); rerun without --resume to start over")
     raise UserError(f"{path}: saved progress is from a different configuration"
-                    f"{' (' + ', '.join(differ) + ' differ)' if differ else ''}; drop --resume or use another --output")
+                    f"{' (' + _differences(manifest['config_key'], key, differ) + ')' if differ else ''}; to "
+                    f"continue it, rerun with the saved settings; or give another --output (a run here without "
+                    f"--resume starts over and discards the saved progress)")
   if manifest["data_key"] != data_key:
     raise UserError(f"{path}: the data changed since the progress was saved (images added, removed or "
                     f"relabelled); rerun without --resume to start over")
@@ -349,6 +369,13 @@ def keeps_statistics(rec: UnitRecord, source_key: str, log) -> bool:
   log(f"{rec.key}: its source statistics would differ from those it ran with ({why}); running it again from the "
       f"start")
   return False
+
+
+def _differences(saved: str, now: str, keys: list[str]) -> str:
+  """``key saved A, now B`` for each setting that differs (values cut to 40 characters)."""
+  a, b = json.loads(saved), json.loads(now)
+  show = lambda v: (lambda t: t if len(t) <= 40 else t[:37] + "...")(json.dumps(v))
+  return "; ".join(f"{k}: saved {show(a.get(k))}, now {show(b.get(k))}" for k in keys)
 
 
 def _config_diff(saved: str, now: str) -> list[str]:

@@ -1,75 +1,189 @@
-"""Ray, for ``--executor ray``: the module itself (`require_ray`, a one-line error without it), the cluster's
-address checked before any work (`check_address`), the connection (`connect`: a local instance bound to
-127.0.0.1, or the cluster at ``--ray-address``, in one line within seconds when there is none), and the pool of
-actors a cluster has room for (`pool`). Imports nothing of pcsr_jax but `errors`: `config` checks the flags with
-it; `ray_units` runs the table on it."""
+"""Ray, for ``--executor ray``: the module itself (`require_ray`, a one-line error without it, imported with the
+settings a local or loopback cluster needs), the cluster's address checked before any work (`check_address`), the
+connection (`connect`: a local instance whose every server listens on 127.0.0.1 only, or the cluster at
+``--ray-address``; one line when neither answers within ``--ray-timeout``), what it exposes (`exposure`, the
+run's log line), and the pool of actors a cluster has room for (`pool`). Imports nothing of pcsr_jax but
+`errors`: `config` checks the flags with it; `ray_units` runs the table on it.
+
+Where Ray binds (Ray 2.60, measured with ``ss -ltnp`` during a run and tested in ``tests/test_ray_units.py``):
+its servers (the GCS, the raylet's node and object managers, each worker's and actor's core-worker server, the
+runtime-env and metrics agents) listen on the node's IP address, and on every interface (``*``) when that IP is
+not a loopback one. Ray turns ``127.0.0.1`` into the address of the interface that routes outside unless
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, which it reads once, when ``ray`` is first imported, and which the
+processes it starts inherit. So the variable is set before the import (`require_ray`) for a local instance and
+for a loopback ``--ray-address``: every server then listens on 127.0.0.1. Ray 2.60 also turns on its token
+authentication for a new local instance (the token in ``~/.ray/auth_token``) unless ``RAY_AUTH_MODE`` says
+otherwise; the log line says which.
+"""
 
 from __future__ import annotations
 
+import ipaddress
+import math
 import os
 import socket
 import sys
 import threading
+import time
 from typing import Any, Callable, Optional
 
 from pcsr_jax.errors import UserError
 
 INSTALL = 'pip install -e ".[ray]" (or pip install "ray>=2.40")'
-CONNECT_TIMEOUT_S = 20.0  # ray.init on an address that answers but holds no Ray cluster would retry for minutes
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray keeps 127.0.0.1 as the node's address
+# --ray-timeout's defaults: a local instance starting on a loaded 2-core machine took over 20 s (issue 76); an
+# address that answers without a Ray cluster behind it makes ray.init retry for minutes.
+START_TIMEOUT_S = 300.0
+CONNECT_TIMEOUT_S = 60.0
+# Ray's own waits while a local instance starts (environment variables its processes read), raised to the bound
+# (never lowered below a minute: workers register with the raylet all along the run) so that a slow start runs
+# into ours, with its one line, rather than into one of Ray's. The wait for the GCS's port is the bound itself:
+# Ray waits for it in C++ holding the GIL, when no thread of ours runs, so its end is where ours is told.
+GCS_PORT_WAIT = "RAY_gcs_server_port_wait_time_s"
+RAY_START_WAITS = ("RAY_raylet_start_wait_time_s", "RAY_py_gcs_connect_timeout_s",
+                   "RAY_worker_register_timeout_seconds", "RAY_gcs_rpc_server_connect_timeout_s")
+SAY_EVERY_S = 15.0  # a local start still under way says so this often
+RAYLET_REGISTER_S = 30  # ray/_private/node.py waits this long, not settable, for its raylet to register
 
 
-def require_ray():
-  """The ``ray`` module, or a one-line error saying how to install it."""
+def is_loopback(address: Optional[str]) -> bool:
+  """Whether ``--ray-address`` names this machine's loopback (``127.x.x.x``, ``::1``, ``localhost``)."""
+  if not address or address == "auto" or address.startswith("ray://"):
+    return False
+  host = address.rpartition(":")[0].strip("[]")
+  if host == "localhost":
+    return True
+  try:
+    return ipaddress.ip_address(host).is_loopback
+  except ValueError:
+    return False
+
+
+def require_ray(address: Optional[str] = None, local: bool = True, timeout_s: Optional[float] = None):
+  """The ``ray`` module, or a one-line error saying how to install it. For a local instance (``local`` and no
+  ``address``) or a loopback ``address``, Ray is first told to keep 127.0.0.1 as the node's address (before it
+  is imported: it reads that once); for a local instance Ray's own start-up waits are raised to ``timeout_s``.
+  Settings the user exported stay theirs."""
+  if (local and address is None) or is_loopback(address):
+    os.environ.setdefault(LOOPBACK_ENV, "0")
+    if local and address is None:
+      bound = math.ceil(timeout_s or START_TIMEOUT_S)
+      os.environ.setdefault(GCS_PORT_WAIT, str(bound))
+      for var in RAY_START_WAITS:
+        os.environ.setdefault(var, str(max(bound, 60)))
   try:
     import ray
   except ImportError:
     raise UserError(f"--executor ray: Ray is not installed; {INSTALL}") from None
+  constants = getattr(getattr(ray, "_private", None), "ray_constants", None)
+  if constants is not None and os.environ.get(LOOPBACK_ENV) == "0":
+    constants.ENABLE_RAY_CLUSTER = False  # ray was imported before (by a caller): what the import would have read
   return ray
 
 
-def connect(address: Optional[str]) -> Callable[[], None]:
-  """Connects to the cluster at ``address`` (None: starts a local instance bound to 127.0.0.1); returns what
-  disconnects (and stops a local instance). An address that is malformed or closed is a one-line error at once;
-  one that answers without a Ray cluster behind it (``ray.init`` would retry for minutes) ends the command with a
-  one-line error after `CONNECT_TIMEOUT_S` (nothing has run yet: there is no work to lose)."""
-  if address is None:
-    # Ray takes a local node's address from the interface that routes outside, unless told it runs alone: a
-    # local instance then talks over 127.0.0.1 only. Read when Ray is imported, and by the processes it starts.
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-  ray = require_ray()
+def connect(address: Optional[str], timeout_s: Optional[float] = None, log: Callable = print
+            ) -> Callable[[], None]:
+  """Connects to the cluster at ``address`` (None: starts a local instance on 127.0.0.1); returns what
+  disconnects (and stops a local instance). An address that is malformed or closed is a one-line error at once.
+  A start or connection still under way after ``timeout_s`` (``--ray-timeout``; default `START_TIMEOUT_S` for a
+  local instance, `CONNECT_TIMEOUT_S` for an address) ends the command with one line and exit 2, the processes
+  it started stopped (nothing has run yet: there is no work to lose); a slow local start says every
+  `SAY_EVERY_S` that it is still starting."""
+  ray = require_ray(address, timeout_s=timeout_s)
+  local = address is None
+  bound = float(timeout_s or (START_TIMEOUT_S if local else CONNECT_TIMEOUT_S))
   where = f"--ray-address {address}" if address else "--executor ray (a local Ray instance)"
   kw: dict[str, Any] = dict(log_to_driver=False, configure_logging=False)
-  if address is None:
+  if local:
     kw.update(_node_ip_address="127.0.0.1", include_dashboard=False)
   else:
     check_address(address)
     kw.update(address=address)
+  what = "did not start" if local else "no Ray cluster answered"
+  line = f"{where}: {what} within {bound:g} s (--ray-timeout)"
   # Ray's core logs its retries to stderr while it connects: the command's own line says what went wrong.
   stderr = os.dup(2)
   quiet = os.open(os.devnull, os.O_WRONLY)
   os.dup2(quiet, 2)
-  watchdog = threading.Timer(CONNECT_TIMEOUT_S, _give_up, (stderr, f"{where}: no Ray cluster answered within "
-                                                                  f"{CONNECT_TIMEOUT_S:.0f} s"))
-  watchdog.daemon = True
+  t0 = time.monotonic()
+  done = threading.Event()
+  watchdog = threading.Thread(target=_watch, args=(done, t0, bound, local, stderr, line, log), daemon=True)
   watchdog.start()
   try:
-    ray.init(**kw)  # in the main thread: a local instance started from another thread loses its GCS
-  except Exception as e:  # noqa: BLE001 -- one line, whatever Ray raised
-    text = str(e).strip().splitlines()
-    raise UserError(f"{where}: cannot connect ({type(e).__name__}{': ' + text[0] if text else ''})") from None
+    while True:
+      try:
+        ray.init(**kw)  # in the main thread: a local instance started from another thread loses its GCS
+        break
+      except Exception as e:  # noqa: BLE001 -- one line, whatever Ray raised
+        text = str(e).strip().splitlines()
+        waited = time.monotonic() - t0
+        if local and "timed out during startup" in str(e) and waited < bound - RAYLET_REGISTER_S:
+          # Ray's own fixed 30 s wait for its raylet ran out (a loaded machine): start again within the bound
+          ray.shutdown()
+          log(f"{where}: Ray's raylet did not register within Ray's own {RAYLET_REGISTER_S} s; starting again "
+              f"({bound - waited:.0f} s of --ray-timeout left)")
+          continue
+        if local:
+          ray.shutdown()
+          _stop_children()
+        if waited >= bound - 1:  # Ray's wait for its GCS (set to the bound) ended, or ours
+          raise UserError(line) from None
+        raise UserError(f"{where}: cannot connect ({type(e).__name__}{': ' + text[0] if text else ''})") from None
   finally:
-    watchdog.cancel()
+    done.set()
     os.dup2(stderr, 2)
     os.close(stderr)
     os.close(quiet)
   return ray.shutdown
 
 
-def _give_up(stderr: int, line: str) -> None:
-  """The connection watchdog: the command's one line and exit 2, as `cli.run_cli` ends on a `UserError`."""
-  prog = sys.argv[0].rsplit("/", 1)[-1] if sys.argv and sys.argv[0] else "pcsr_jax"
-  os.write(stderr, f"{prog}: error: {line}\n".encode())
-  os._exit(2)
+def _watch(done: threading.Event, t0: float, bound: float, local: bool, stderr: int, line: str, log) -> None:
+  """The connection's watchdog: a line every `SAY_EVERY_S` while a local instance starts, and at ``bound`` the
+  command's one line and exit 2 (as `cli.run_cli` ends on a `UserError`), the processes Ray started stopped
+  first."""
+  while not done.wait(min(SAY_EVERY_S, max(bound - (time.monotonic() - t0), 0.0))):
+    waited = time.monotonic() - t0
+    if waited >= bound:
+      _stop_children()
+      prog = sys.argv[0].rsplit("/", 1)[-1] if sys.argv and sys.argv[0] else "pcsr_jax"
+      os.write(stderr, f"{prog}: error: {line}\n".encode())
+      os._exit(2)
+    if local:
+      log(f"--executor ray: the local Ray instance is still starting ({waited:.0f} s; the machine is busy?); "
+          f"waiting up to --ray-timeout {bound:g} s")
+
+
+def _stop_children() -> None:
+  """Kills the processes this one started (a local instance's GCS, raylet and workers), so a start given up on
+  leaves none behind."""
+  try:
+    import psutil  # a dependency of Ray's
+  except ImportError:
+    return
+  for p in psutil.Process().children(recursive=True):
+    try:
+      p.kill()
+    except psutil.Error:
+      pass
+
+
+def exposure(address: Optional[str]) -> str:
+  """What the connected Ray instance exposes, for the run's log: where a local instance's servers listen (the
+  node's address, which decides it: see the module docstring) and whether Ray's token authentication is on."""
+  import ray
+
+  node_ip = ray.util.get_node_ip_address()
+  auth = os.environ.get("RAY_AUTH_MODE", "disabled").lower() == "token"
+  auth_text = ("token authentication on (the token in ~/.ray/auth_token or RAY_AUTH_TOKEN)" if auth else
+               "token authentication off (RAY_AUTH_MODE; anyone who reaches a server can run code on it)")
+  if address is None:
+    if is_loopback(f"{node_ip}:0"):
+      return (f"Ray: a local instance; its servers (GCS, raylet, object manager, workers, agents; no dashboard) "
+              f"listen on {node_ip} only; {auth_text}")
+    return (f"Ray: a local instance on node address {node_ip}: its servers listen on every interface "
+            f"({LOOPBACK_ENV}={os.environ.get(LOOPBACK_ENV)!r} kept it off the loopback); {auth_text}")
+  return (f"Ray: the cluster at {address} (this driver's node address {node_ip}); where its servers listen is "
+          f"the cluster's own `ray start` setting; {auth_text}")
 
 
 def check_address(address: str) -> None:

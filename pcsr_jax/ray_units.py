@@ -13,12 +13,17 @@ redoing them.
 Faults are Ray's to handle: an actor whose process dies is restarted by Ray (``max_restarts=-1``), on its node
 or, when the node is gone, on another with room; the unit it was running is handed out again to the next free
 actor and resumes from its saved progress (every ``--checkpoint-every`` batches, `progress.Resume`), so no unit
-is recorded twice. A driver that dies takes its actors with it; rerun the command with ``--resume``: finished
-units are skipped, started ones resume. Ctrl-C or SIGTERM asks every actor to save its unit at its next batch.
+is recorded twice. A driver that dies takes its actors with it (Ray kills them, though not at once); rerun the
+command with ``--resume``: finished units are skipped, started ones resume. Until Ray has killed them, the writes
+of a dead driver's actors are fenced (`lock.Fence`): each carries its driver's generation of the output's lock
+and checks it before each write of progress, so an actor whose driver died, or whose folder another run holds
+now, drops its unit with a line (in its Ray worker log) and exits, having written nothing after the check.
+Ctrl-C or SIGTERM asks every actor to save its unit at its next batch.
 
 ``--output`` (and ``--data``, the checkpoint) must be on a filesystem every node shares, at the same path, as for
 any multi-host run. ``--ray-address`` names a running cluster (``HOST:PORT`` of its head, or ``auto``); without
-it the driver starts a local Ray instance bound to 127.0.0.1 and stops it at the end.
+it the driver starts a local Ray instance, every server of which listens on 127.0.0.1 (`ray_cluster`), and stops
+it at the end.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
-from pcsr_jax import ray_cluster, runlog, units
+from pcsr_jax import lock, ray_cluster, runlog, units
 from pcsr_jax.errors import UserError
 
 MAX_LOSSES = 3  # a unit whose actor died this many times stops the run (it is what kills them)
@@ -43,7 +48,8 @@ class UnitRunner:
   """A Ray actor's work: set up once (`start`), then run units by key (`run`), each from its saved progress; a
   second thread of the actor takes `request_stop`."""
 
-  def __init__(self, cfg: Any, extra_methods: dict, paths: list, run_unit: Callable, make_adapter: Callable):
+  def __init__(self, cfg: Any, extra_methods: dict, paths: list, run_unit: Callable, make_adapter: Callable,
+               fence: Optional[lock.Fence] = None):
     for p in paths:  # where the driver found the --methods module:Class files
       if p not in sys.path:
         sys.path.append(p)
@@ -54,6 +60,7 @@ class UnitRunner:
     self.adapter: Any = None
     self.last: Optional[tuple] = None
     self.where = f"{socket.gethostname()}:{os.getpid()}"
+    self.fence = fence  # the driver's hold on --output, checked before each write of progress
 
   def start(self) -> str:
     """Sets up (idempotent); returns where this actor runs."""
@@ -67,6 +74,7 @@ class UnitRunner:
       for spec in self.extra_methods.values():
         methods.load(spec)
       self.setup = run_setup.setup(self.cfg, lambda *a, **k: None, worker=True)
+      self.setup.resume.fence = self.fence
       self.where += f" ({', '.join(sorted({d.platform for d in jax.local_devices()}))} x{len(jax.local_devices())})"
     return self.where
 
@@ -78,14 +86,21 @@ class UnitRunner:
       self.adapter = self.make_adapter(self.setup, unit, self.setup.groups[0])
       self.last = (unit.method, unit.seed)
     self.stop.requested = False
-    last = self.run_unit(self.setup, unit, self.adapter, self.stop, None, lambda *a, **k: None)
+    lines: list[str] = []  # what the unit says (a resume on other devices): the driver logs it
+    try:
+      last = self.run_unit(self.setup, unit, self.adapter, self.stop, None, lambda line, **k: lines.append(line))
+    except lock.Fenced as e:  # a dead or replaced driver: nothing more is written, the actor goes
+      import ray
+
+      print(f"{self.where}: {key}: dropped, not saved: {e}", file=sys.stderr, flush=True)
+      ray.actor.exit_actor()
     rec = self.setup.finished.pop(key, None)
     if last is None or rec is None:
-      return dict(done=False)
+      return dict(done=False, lines=lines)
     n = sum(r["num_samples"] for r in rec.records)
     correct = sum(round(r["accuracy"] * r["num_samples"]) for r in rec.records)
     return dict(done=True, seen=n, correct=correct, total_seconds=rec.throughput["seconds"], domain=last[0],
-                records=last[1])
+                records=last[1], lines=lines)
 
   def request_stop(self) -> None:
     self.stop.requested = True
@@ -110,15 +125,18 @@ def execute(setup: Any, queue: units.Queue, tracker: runlog.Units, stop: Any, lo
             make_adapter: Callable) -> bool:
   """Runs the queue's units on the cluster's actors (each runs a unit with ``run_unit`` on the adapter
   ``make_adapter`` gives: `harness`'s); False when stopped (every unit's progress saved)."""
-  ray = ray_cluster.require_ray()
   cfg = setup.cfg
+  ray = ray_cluster.require_ray(cfg.ray_address, timeout_s=cfg.ray_timeout)
   left = queue.left()
   if not left:
     return True
-  disconnect = ray_cluster.connect(cfg.ray_address)
+  gen = lock.generation(cfg.output)
+  fence = lock.Fence(cfg.output, gen) if gen is not None else None
+  disconnect = ray_cluster.connect(cfg.ray_address, cfg.ray_timeout, log)
   stop.install()  # ray.init's SIGTERM handler out: a signal stops the run, each actor saving its unit's progress
   actors: list = []
   try:
+    log(ray_cluster.exposure(cfg.ray_address))
     resources = ray.cluster_resources()
     n, opts = ray_cluster.pool(resources, cfg.devices_per_unit, left)
     log(f"Ray cluster {cfg.ray_address or '(local, 127.0.0.1)'}: {resources.get('CPU', 0):g} CPUs, "
@@ -128,18 +146,20 @@ def execute(setup: Any, queue: units.Queue, tracker: runlog.Units, stop: Any, lo
     extra = {m: methods.origin(m) for m in cfg.methods if not methods.origin(m).startswith("pcsr_jax.")}
     worker_cfg = dataclasses.replace(cfg, progress=False)
     runner = ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=2)(UnitRunner)
-    actors = [runner.options(**opts).remote(worker_cfg, extra, [os.getcwd()] + sys.path, run_unit, make_adapter)
-              for _ in range(n)]
-    return _drive(ray, actors, queue, tracker, stop, log)
+    actors = [runner.options(**opts).remote(worker_cfg, extra, [os.getcwd()] + sys.path, run_unit, make_adapter,
+                                            fence) for _ in range(n)]
+    return _drive(ray, actors, queue, tracker, stop, log, fence)
   finally:
     for a in actors:
       ray.kill(a, no_restart=True)
     disconnect()
 
 
-def _drive(ray, actors: list, queue: units.Queue, tracker: runlog.Units, stop: Any, log) -> bool:
+def _drive(ray, actors: list, queue: units.Queue, tracker: runlog.Units, stop: Any, log,
+           fence: Optional[lock.Fence] = None) -> bool:
   """The driver's loop: an actor that is up gets the next unit (its last method and seed's first); a finished
-  unit is recorded; a lost one goes out again, and its actor is waited for until Ray has restarted it."""
+  unit is recorded; a lost one goes out again, and its actor is waited for until Ray has restarted it (unless
+  the driver's own hold on --output is gone: its lock file removed or replaced, which fences every actor)."""
   lost_errors = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
   inflight: dict = {}  # ObjectRef -> (actor index, its unit, or None for a start)
   where = [""] * len(actors)
@@ -173,6 +193,12 @@ def _drive(ray, actors: list, queue: units.Queue, tracker: runlog.Units, stop: A
       out = ray.get(ready[0])
     except lost_errors as e:
       where[i] = ""
+      try:
+        if fence is not None:
+          fence.check()
+      except lock.Fenced:
+        raise UserError(f"--output {fence.output}: its lock file {lock.LOCK_FILE} was removed or replaced while "
+                        f"this run held it; the actors cannot save progress there; rerun with --resume") from None
       if unit is not None:
         queue.finish(unit, done=False)
         losses[unit.key] += 1
@@ -187,6 +213,8 @@ def _drive(ray, actors: list, queue: units.Queue, tracker: runlog.Units, stop: A
       if isinstance(cause, UserError):
         raise UserError(f"{where[i] or 'a Ray actor'}: {cause}") from None
       raise
+    for line in (out.get("lines", []) if unit is not None else []):
+      log(f"{where[i]}: {line}")
     if unit is None:
       if not where[i]:
         log(f"Ray actor {i} up on {out}")

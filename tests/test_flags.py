@@ -85,6 +85,9 @@ def cases(world, command: str, mode: str) -> list[tuple[list[str], object]]:
       (["--executor", "ray", "--ray-address", "auto"], {"ray_address": "auto"}),
       (["--executor", "ray", "--ray-address", "nohost"], r"^--ray-address nohost: expected HOST:PORT of the cluster"),
       (["--ray-address", "auto"], r"^--ray-address: for --executor ray"),
+      (["--executor", "ray", "--ray-timeout", "45"], {"ray_timeout": 45.0}),
+      (["--executor", "ray", "--ray-timeout", "0"], r"^--ray-timeout: expected a positive number of seconds, got 0"),
+      (["--ray-timeout", "45"], r"^--ray-timeout: for --executor ray"),
       (["--ccc-speed", "0"], r"^--ccc-speed: expected a positive integer"),  # checked whatever the setting
       (["--ccc-length", str(10 ** 12)], r"^--ccc-length: expected a positive integer up to"),
       (["--ccc-target", "40"], r"^--ccc-target: for --setting ccc"),

@@ -271,6 +271,37 @@ def test_a_stop_saves_the_last_finished_batch_and_says_so_at_once(world, tmp_pat
       [(r["corruption"], r["accuracy"]) for r in full["records"]]
 
 
+def test_a_resume_under_other_settings_says_how_to_keep_the_progress(world, tmp_path, monkeypatch):
+  """A refused ``--resume`` names each setting that differs with its saved and its new value, and never advises
+  a step that discards the saved progress without saying so; a unit saved on another number of devices (another
+  executor or device groups: not part of the key) continues, and the log says so."""
+  from pcsr_jax import runlog
+
+  monkeypatch.setattr(runlog, "LINE_EVERY_S", 0.0)
+
+  def log(line, *a, **k):
+    if line.startswith("tent/seed1/fog: batch 2 of"):
+      os.kill(os.getpid(), signal.SIGINT)
+
+  out = tmp_path / "o"
+  with pytest.raises(SystemExit):
+    harness.run(cfg(world, out, methods=("tent",), batch_size=4, progress=True), log=log)
+  with pytest.raises(UserError, match=r"progress.json: saved progress is from a different configuration "
+                                      r"\(batch_size: saved 4, now 8\); to continue it, rerun with the saved "
+                                      r"settings; or give another --output \(a run here without --resume starts "
+                                      r"over and discards the saved progress\)$"):
+    harness.run(cfg(world, out, methods=("tent",), batch_size=8, resume=True), log=lambda *a: None)
+  [(path, rec)] = [(p, r) for p in (out / "resume" / "units").glob("*/unit.json")
+                   if (r := json.loads(p.read_text()))["progress"]]  # the unit under way
+  assert rec["devices"] == 1
+  path.write_text(json.dumps(dict(rec, devices=3)))  # as a run whose unit split its batches over 3 devices
+  lines = []
+  harness.run(cfg(world, out, methods=("tent",), batch_size=4, resume=True), log=lambda line, *a, **k:
+              lines.append(line))
+  assert ("tent/seed1/fog: saved on 3 device(s), continuing on 1: the rest of it splits each batch over another "
+          "number of devices, which rounds sums differently (float32); finished units are unaffected") in lines
+
+
 def test_tfds_path_with_mock_data(world, tmp_path):
   import tensorflow_datasets as tfds
 

@@ -119,6 +119,45 @@ def test_a_second_run_on_one_output_is_refused_naming_the_holder(tmp_path):
   assert r.returncode == 0, r.stderr  # released when the first run ended (or died: flock goes with the process)
 
 
+def test_an_actor_of_a_dead_or_replaced_driver_writes_nothing(tmp_path):
+  """Fencing (`lock.Fence`): each hold of --output gets the next generation; a writer of generation 1 (a Ray
+  actor of the first driver) saves progress while its driver holds the folder, is refused once the driver is
+  dead (its process killed: the lock free), and once a second driver holds it (generation 2), and writes
+  nothing then: neither the unit's record nor a new state."""
+  from pcsr_jax import lock, progress
+
+  out = str(tmp_path / "o")
+  driver = subprocess.Popen([sys.executable, "-c", "import sys, time; from pcsr_jax import lock\n"
+                             "with lock.hold(sys.argv[1], 'driver 1'):\n"
+                             "  print(lock.generation(sys.argv[1]), flush=True)\n  time.sleep(600)", out],
+                            stdout=subprocess.PIPE, text=True)
+  try:
+    assert driver.stdout.readline().strip() == "1"
+    resume = progress.Resume(out)
+    resume.fence = lock.Fence(out, 1)
+    rec = progress.UnitRecord("tent/seed1/fog", progress=progress.UnitProgress("tent/seed1/fog", batch=3))
+    resume.save_unit(rec, {"w": np.ones(3, np.float32)})  # the driver holds --output: written
+    unit_dir = resume.unit_dir(rec.key)
+    saved = sorted(os.listdir(unit_dir))
+    assert resume.load_unit(rec.key).progress.batch == 3 and len(saved) == 2  # unit.json and its state
+  finally:
+    driver.kill()
+    driver.wait()
+  rec.progress.batch = 4
+  with pytest.raises(lock.Fenced, match=r"the driver of generation 1 no longer holds .* \(it died\)$"):
+    resume.save_unit(rec, {"w": np.ones(3, np.float32)})
+  with lock.hold(out, "driver 2"):
+    gen = lock.generation(out)
+    assert gen == 2 and json.loads((tmp_path / "o" / ".lock").read_text())["generation"] == 2
+    with pytest.raises(lock.Fenced, match=r"is held by another run now \(generation 2, this actor's driver's 1\)$"):
+      resume.save_unit(rec, {"w": np.ones(3, np.float32)})
+    assert sorted(os.listdir(unit_dir)) == saved and resume.load_unit(rec.key).progress.batch == 3
+    own = progress.Resume(out)
+    own.fence = lock.Fence(out, gen)  # an actor of the second driver writes
+    own.save_unit(rec, {"w": np.ones(3, np.float32)})
+    assert own.load_unit(rec.key).progress.batch == 4
+
+
 def cli(*args, timeout=900):
   return subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "imagenet_c.py"), *args],
                         capture_output=True, text=True, timeout=timeout)

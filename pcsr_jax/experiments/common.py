@@ -90,6 +90,9 @@ def parser(prog: str, description: str, presets: dict) -> ArgumentParser:
                  "lost actors and nodes' units; the driver writes the table")
   g.add_argument("--ray-address", help="--executor ray: the cluster's head, HOST:PORT or auto (default: a local "
                  "Ray instance on 127.0.0.1)")
+  g.add_argument("--ray-timeout", type=float, help="--executor ray: seconds to wait for the local Ray instance "
+                 "to start (default 300) or the cluster at --ray-address to answer (default 60); then one line, "
+                 "exit 2")
   g = p.add_argument_group("multi-process runs (jax.distributed; one process per host, a shared --output)")
   g.add_argument("--coordinator", help="HOST:PORT of process 0 (with --num-processes and --process-id)")
   g.add_argument("--num-processes", type=int)
@@ -294,7 +297,7 @@ def inapplicable(dest: str, value, cfg, builtin: bool) -> Optional[str]:
     return "for --setting label_shifts"
   if dest == "imbalance_ratio" and cfg.label_shift_indices:
     return "--label-shift-indices gives the label-shift stream itself"
-  if dest == "ray_address" and cfg.executor != "ray":
+  if dest in ("ray_address", "ray_timeout") and cfg.executor != "ray":
     return "for --executor ray"
   if dest.startswith("ccc_") and cfg.setting != "ccc":
     return "for --setting ccc"
