@@ -98,6 +98,46 @@ def test_the_registry_suggests_the_nearest_name():
     methods.get("tnet")
 
 
+@pytest.mark.parametrize("files, message", [
+    ({"broken.py": "import dataclasses\ndef f(:\n  pass\n"}, r"{d}/broken\.py:2: SyntaxError: invalid syntax"),
+    ({"broken.py": "x = 1\n\n\tif x:\n  pass\n"}, r"{d}/broken\.py:3: IndentationError: unexpected indent"),
+    ({"broken.py": "import json\n\njson.loads('{{')\n"}, r"{d}/broken\.py:3: JSONDecodeError: Expecting property name"),
+    ({"broken.py": "def f():\n  raise RuntimeError('one\\ntwo')\n\nf()\n"},
+     r"{d}/broken\.py:2: RuntimeError: one / two$"),
+    ({"broken.py": "import broken_helper\n", "broken_helper.py": "raise ValueError('deep')\n"},
+     r"{d}/broken\.py:1: ValueError: deep$"),
+])
+def test_a_method_module_that_fails_to_import_is_one_line_naming_its_file_and_line(tmp_path, monkeypatch, files,
+                                                                                     message):
+  """``--methods module:Class`` whose module has a syntax error or raises as it runs (in its own code, or in a
+  module it imports): one line naming the module, the statement of its own file that failed and the error."""
+  import re
+
+  from pcsr_jax import methods
+  from pcsr_jax.errors import UserError
+
+  for name, text in files.items():
+    (tmp_path / name).write_text(text)
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  for name in files:
+    sys.modules.pop(name[:-3], None)
+  with pytest.raises(UserError) as e:
+    methods.load("broken:Mine")
+  assert "\n" not in str(e.value)
+  assert str(e.value).startswith("--methods broken:Mine: cannot import broken: "), str(e.value)
+  assert re.search(message.format(d=re.escape(str(tmp_path))), str(e.value)), str(e.value)
+
+
+def test_a_method_module_that_raises_ends_the_command_in_one_line(tmp_path):
+  """The command as typed: one line on stderr, exit 2, no traceback."""
+  (tmp_path / "broken.py").write_text("x = 1\nraise KeyError('nope')\n")
+  r = subprocess.run([sys.executable, MAIN, "--methods", "source,broken:Mine", "--output", str(tmp_path / "o")],
+                     cwd=tmp_path, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 2 and r.stderr == (f"imagenet_c.py: error: --methods broken:Mine: cannot import broken: "
+                                            f"{tmp_path}/broken.py:2: KeyError: 'nope'\n"), r.stderr[-3000:]
+
+
 @pytest.mark.core
 def test_license_is_an_spdx_string_and_setuptools_reads_it():
   """PEP 639's ``license = "Apache-2.0"`` (a TOML table makes setuptools print a deprecation box at every
