@@ -110,7 +110,7 @@ def test_damaged_checkpoints(world, tmp_path):
 def test_flag_values(world, tmp_path):
   for match, flags in (("--corruptions: no corruption given", ["--corruptions", ","]),
                        ("--methods: no method given", ["--methods", ","]),
-                       ("--seeds: expected non-negative integers", ["--seeds", "-1"]),
+                       ("--seeds: expected integers from 0 to 4294967295, got -1", ["--seeds", "-1"]),
                        ("--workers: expected a positive integer", ["--workers", "-2"]),
                        ("--row-chunk: expected a positive integer", ["--row-chunk", "0"]),
                        ("--imbalance-ratio: expected a number >= 1", ["--imbalance-ratio", "-1"]),

@@ -40,6 +40,15 @@ def _probe(*flags: str) -> subprocess.CompletedProcess:
     (["--methods", "eat"], "(did you mean eata or eta?)"),
     (["--seeds", "1,x"], "--seeds: expected comma-separated integers, got '1,x'"),
     (["--method-args", "{"], "--method-args: not valid JSON"),
+    # Empty lists once ran the built-in benchmark's default five methods; seeds past 32 bits passed to jax (a
+    # repeat of a smaller seed's key, or an OverflowError). The unwritable --output stops old code at once.
+    (["--methods", ",", "--output", "/dev/null/x"], "--methods: no method given (got ','); give one or more"),
+    (["--methods", "", "--output", "/dev/null/x"], "--methods: no method given (got ''); give one or more"),
+    (["--seeds", "18446744073709551616", "--output", "/dev/null/x"],
+     "--seeds: expected integers from 0 to 4294967295, got 18446744073709551616 (jax.random.key keeps"),
+    (["--seeds", "1,4294967296", "--output", "/dev/null/x"], "--seeds: expected integers from 0 to 4294967295, "
+                                                             "got 4294967296"),
+    (["--seeds", "-1", "--output", "/dev/null/x"], "--seeds: expected integers from 0 to 4294967295, got -1"),
     (["--preset", "continual"], "--preset continual: the continual methods' ImageNet-C protocol (the 15 corruptions "
                                 "in a row, reset once); it needs --data or --clean-data with --checkpoint. Without "
                                 "--data (the built-in benchmark) the one preset is table1 (every method); for this "
@@ -52,6 +61,37 @@ def test_flags_are_checked_before_jax_flax_tfds_or_the_methods_are_imported(flag
     assert "usage: imagenet_c.py" in r.stdout
   else:
     assert message in r.stderr, r.stderr
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("command", ["imagenet_c", "imagenet_rav", "wild", "ablations", "source_stats",
+                                     "tune_builtin"])
+@pytest.mark.parametrize("methods", [",", ""])
+def test_every_command_that_takes_methods_refuses_an_empty_list_in_one_line(command, methods):
+  """None of them falls back to its default methods (or runs none) on ``--methods ,`` or ``--methods ""``: one
+  line, exit 2. The flags each needs otherwise are given, with an output that cannot be made, so that code that
+  lets the empty list through stops at once on something else."""
+  need = {"ablations": ["--table", "lr"], "source_stats": ["--checkpoint", "/nowhere", "--source-data", "/nowhere"]}
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", f"{command}.py"), "--methods", methods,
+                      "--output", "/dev/null/x", *need.get(command, [])], cwd=ROOT, capture_output=True, text=True,
+                     timeout=300)
+  assert r.returncode == 2, r.stderr[-2000:]
+  assert r.stderr == f"{command}.py: error: --methods: no method given (got {methods!r}); give one or more, " \
+                     f"comma-separated\n", r.stderr[-2000:]
+
+
+@pytest.mark.core
+def test_the_seed_range_is_the_configs():
+  """The command's early check and `RunConfig`'s take the same seeds: jax.random.key's distinct ones."""
+  import jax
+
+  from pcsr_jax import config
+  from pcsr_jax.experiments import common
+
+  assert common.MAX_SEED == config.MAX_SEED == 2**32 - 1
+  keys = lambda s: tuple(int(x) for x in jax.random.key_data(jax.random.key(s)))
+  assert len({keys(0), keys(common.MAX_SEED), keys(common.MAX_SEED - 1)}) == 3
+  assert keys(common.MAX_SEED + 1) == keys(0)  # a seed past the range repeats one in it: why it is refused
 
 
 @pytest.mark.core
