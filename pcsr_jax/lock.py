@@ -6,15 +6,20 @@ line naming the holder, instead of running the table again and discarding the fi
 ``flock`` locks go with the process: a run that is killed leaves no stale lock behind (the file stays, unlocked,
 and the next run takes it). On NFS, Linux maps ``flock`` onto the server's byte-range locks, so hosts sharing
 the folder see each other's lock.
+
+The lock file is opened without following a link (``O_NOFOLLOW``) and must be a regular file with one name: the
+run truncates and writes it, and writes nothing outside its output folder through a link there.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
 import socket
+import stat
 import time
 from typing import Iterator
 
@@ -32,6 +37,28 @@ def holder(output: str) -> str:
     return f"{who['host']}:{who['pid']} (since {since}: {who.get('command', '')})".replace(": )", ")")
   except (OSError, ValueError, KeyError, TypeError):
     return "another run (its holder file is unreadable)"
+
+
+def _open(output: str, path: str) -> int:
+  """``path`` opened for the lock, never through a link: a symbolic link there (``O_NOFOLLOW``), anything but a
+  regular file, or a file with other names (a hard link) is a `UserError`, since the run truncates and writes it
+  and must write nothing outside ``output``."""
+  try:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+  except OSError as e:
+    if e.errno == errno.ELOOP:
+      raise UserError(f"--output {output}: its lock file {path} is a symbolic link; the run writes its lock there "
+                      f"and follows no link out of --output: remove the link") from None
+    what = "a directory" if e.errno == errno.EISDIR else None
+    raise UserError(f"--output {output}: cannot open its lock file {path} ({what or e.strerror}); it must be a "
+                    f"regular file or absent") from None
+  st = os.fstat(fd)
+  if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+    os.close(fd)
+    what = "not a regular file" if not stat.S_ISREG(st.st_mode) else f"a hard link ({st.st_nlink} names)"
+    raise UserError(f"--output {output}: its lock file {path} is {what}; the run writes its lock there: remove "
+                    f"it") from None
+  return fd
 
 
 # The folders this process holds, with how many blocks hold each: a command that holds its output around its
@@ -56,10 +83,7 @@ def hold(output: str, command: str = "") -> Iterator[None]:
     finally:
       _HELD[key] -= 1
     return
-  try:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-  except OSError as e:
-    raise UserError(f"--output {output}: cannot open its lock file {path} ({e.strerror})") from None
+  fd = _open(output, path)
   try:
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

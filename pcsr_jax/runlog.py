@@ -34,9 +34,10 @@ class Log:
       return
     try:
       os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-      with open(self.path, self._mode) as f:
+      flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | (os.O_TRUNC if self._mode == "w" else 0)
+      with os.fdopen(os.open(self.path, flags, 0o644), "a") as f:  # never through a link out of the folder
         f.write(stamped(" ".join(map(str, args))) + "\n")
-    except OSError:  # the run's own checks report an output folder it cannot write
+    except OSError:  # the run's own checks report an output folder it cannot write (or a link there)
       return
     self._mode = "a"
 

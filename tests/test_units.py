@@ -119,6 +119,50 @@ def test_a_second_run_on_one_output_is_refused_naming_the_holder(tmp_path):
   assert r.returncode == 0, r.stderr  # released when the first run ended (or died: flock goes with the process)
 
 
+def test_a_lock_path_that_is_a_link_or_not_a_regular_file_is_refused_and_nothing_is_written_through_it(tmp_path):
+  """``<output>/.lock`` a symbolic link (to a file, or dangling), a hard link, a folder or a FIFO: one line
+  naming it, and the file a link points to keeps its bytes (a dangling link's target is not made). Garbage in a
+  regular lock file is no obstacle: the run takes the lock and writes its holder over it."""
+  from pcsr_jax import lock
+
+  out = tmp_path / "o"
+  out.mkdir()
+  target = tmp_path / "precious.txt"
+  target.write_text("the user's file")
+  cases = {"a symbolic link": lambda p: os.symlink(target, p),
+           "a dangling symbolic link": lambda p: os.symlink(tmp_path / "made_through_the_link", p),
+           "a hard link": lambda p: os.link(target, p), "a folder": os.mkdir, "a FIFO": os.mkfifo}
+  for what, make in cases.items():
+    path = out / ".lock"
+    make(path)
+    with pytest.raises(UserError) as e:
+      with lock.hold(str(out), "run"):
+        pass
+    assert str(e.value).startswith(f"--output {out}: ") and str(path) in str(e.value), (what, str(e.value))
+    assert "\n" not in str(e.value)
+    assert target.read_text() == "the user's file" and not (tmp_path / "made_through_the_link").exists(), what
+    os.rmdir(path) if path.is_dir() and not path.is_symlink() else os.remove(path)
+  (out / ".lock").write_bytes(b"\x00\xffnot json{")
+  with lock.hold(str(out), "run"):
+    assert json.loads((out / ".lock").read_text())["pid"] == os.getpid()
+  (out / ".lock").write_bytes(b"[1, 2]")  # JSON, not a holder: a second run's refusal still reads in one line
+  assert lock.holder(str(out)) == "another run (its holder file is unreadable)"
+
+
+def test_a_linked_lock_file_ends_the_command_in_one_line(tmp_path):
+  """The command as typed, on the built-in benchmark: exit 2, one line, the linked file untouched."""
+  out = tmp_path / "o"
+  out.mkdir()
+  target = tmp_path / "precious.txt"
+  target.write_text("the user's file")
+  os.symlink(target, out / ".lock")
+  r = cli("--methods", "source", "--corruptions", "fog", "--images", "64", "--output", str(out), timeout=300)
+  assert r.returncode == 2 and r.stderr == (f"imagenet_c.py: error: --output {out}: its lock file {out}/.lock is a "
+                                            f"symbolic link; the run writes its lock there and follows no link out "
+                                            f"of --output: remove the link\n"), r.stderr[-3000:]
+  assert target.read_text() == "the user's file" and sorted(os.listdir(out)) == [".lock"]
+
+
 def cli(*args, timeout=900):
   return subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "imagenet_c.py"), *args],
                         capture_output=True, text=True, timeout=timeout)

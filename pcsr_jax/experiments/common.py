@@ -440,8 +440,10 @@ def run_many(configs: dict, output: str, title: str, column: str = "Avg.") -> st
     for m in cfg.methods:
       lines.append(f"| {name} | {m} | {fmt_mean_std([100 * v for v in mean_accuracy(res['records'], m, cfg.seeds)])} |")
   table = "\n".join(lines) + "\n"
+  from pcsr_jax.files import atomic_path
+
   os.makedirs(output, exist_ok=True)
-  with open(os.path.join(output, "summary.md"), "w") as f:
+  with atomic_path(os.path.join(output, "summary.md")) as tmp, open(tmp, "w") as f:  # a link there is replaced
     f.write(table)
   print(table)
   return table
