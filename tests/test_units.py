@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -81,22 +82,50 @@ def test_declared_passes_weigh_a_method_by_its_cost():
 
 
 def test_the_time_left_weighs_the_units_left_by_their_expected_cost():
-  """A Source unit timed, a MEMO unit left: the MEMO unit costs its declared passes at Source's seconds per pass
-  (193 times a Source unit), not its images; once a MEMO unit is timed, its own seconds per image count."""
+  """Two Source units timed, MEMO units left: a MEMO unit costs its declared passes at Source's seconds per pass
+  (193 times a Source unit), not its images; once a MEMO unit is timed, its own seconds per image count. The wall
+  time counts from the first unit's start."""
   from pcsr_jax import runlog
 
   plan = [units.Unit(f"{m}/seed1/c{i}", m, 1, (i,), 100) for m in ("source", "memo") for i in range(3)]
   lines = []
   t = runlog.Units(plan, set(), lines.append, say_starts=False, passes={"source": 1.0, "memo": 193.0})
   assert t.time_left() is None  # nothing timed yet
-  done = type("Up", (), dict(seen=100, correct=50, total_seconds=1.0))
-  t.finish(plan[0], done, "c0", [dict(num_samples=100, accuracy=0.5)])
-  # 10 s of wall time for 1 s of Source's cost: left 2 Source units (2 s) + 3 MEMO units (3 x 193 s)
-  assert t.time_left(now=t.t0 + 10) == pytest.approx(10 * (2 * 1.0 + 3 * 193.0) / 1.0)
-  assert "units 1 of 6 done, about" in lines[-1]
-  t.finish(plan[3], type("Up", (), dict(seen=100, correct=10, total_seconds=50.0)), "c0", [])  # MEMO: 0.5 s/image
-  # done: Source 1 s + MEMO 50 s of cost in the 20 s; left: 2 Source (2 s), 2 MEMO (100 s)
-  assert t.time_left(now=t.t0 + 20) == pytest.approx(20 * (2.0 + 100.0) / 51.0)
+  t.start(plan[0])
+  t0 = time.monotonic()
+  up = lambda seconds: type("Up", (), dict(seen=100, correct=50, total_seconds=seconds))
+  t.finish(plan[0], up(1.0), "c0", [dict(num_samples=100, accuracy=0.5)])
+  t.finish(plan[1], up(1.0), "c1", [dict(num_samples=100, accuracy=0.5)])
+  # 10 s of wall time for 2 s of Source's cost: left 1 Source unit (1 s) + 3 MEMO units (3 x 193 s)
+  assert t.time_left(now=t0 + 10) == pytest.approx(10 * (1.0 + 3 * 193.0) / 2.0)
+  assert "units 2 of 6 done, about" in lines[-1]
+  t.finish(plan[3], up(50.0), "c0", [])  # MEMO: 0.5 s/image
+  # done: Source 2 s + MEMO 50 s of cost in the 20 s; left: 1 Source (1 s), 2 MEMO (100 s)
+  assert t.time_left(now=t0 + 20) == pytest.approx(20 * (1.0 + 100.0) / 52.0)
+  assert t.time_left(now=t0 - 5) == 0.0  # never negative
+
+
+def test_the_time_left_is_never_hours_on_a_table_of_minutes():
+  """A first Source unit of 64 images whose 5 s are mostly its step's compilation, fifteen MEMO units of 64 images
+  left (MEMO measured at 1.5 img/s here: some 11 min), the executors started 60 s after the run: no time is told
+  until a Source unit has run on a compiled step (5 s x 193 passes per 64 images over 15 units was 4 hours, and
+  the start-up's 60 s weighed with them); then it is minutes, counted from the first unit's start."""
+  from pcsr_jax import runlog
+
+  plan = [units.Unit(f"source/seed1/c{i}", "source", 1, (i,), 64) for i in range(2)]
+  plan += [units.Unit(f"memo/seed1/c{i}", "memo", 1, (i,), 64) for i in range(15)]
+  lines = []
+  t = runlog.Units(plan, set(), lines.append, say_starts=False, passes={"source": 1.0, "memo": 193.0})
+  time.sleep(0.5)  # the executors' start-up: not a unit's cost
+  t.start(plan[0])
+  t0 = time.monotonic()
+  up = lambda seconds: type("Up", (), dict(seen=64, correct=32, total_seconds=seconds))
+  t.finish(plan[0], up(5.0), "c0", [dict(num_samples=64, accuracy=0.5)])
+  assert t.time_left(now=t0 + 5) is None and lines[-1].endswith("units 1 of 17 done")
+  t.finish(plan[1], up(0.04), "c1", [dict(num_samples=64, accuracy=0.5)])  # 1,600 img/s, compiled
+  left = t.time_left(now=t0 + 5.04)
+  assert left == pytest.approx(5.04 * 15 * 64 * 193 * (0.04 / 64) / 5.04, rel=0.01)  # 116 s: 15 MEMO units
+  assert 60 < left < 600 and "units 2 of 17 done, about" in lines[-2]
 
 
 def test_a_second_run_on_one_output_is_refused_naming_the_holder(tmp_path):
