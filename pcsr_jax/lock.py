@@ -49,9 +49,9 @@ def _open(output: str, path: str) -> int:
     if e.errno == errno.ELOOP:
       raise UserError(f"--output {output}: its lock file {path} is a symbolic link; the run writes its lock there "
                       f"and follows no link out of --output: remove the link") from None
-    what = "a directory" if e.errno == errno.EISDIR else None
-    raise UserError(f"--output {output}: cannot open its lock file {path} ({what or e.strerror}); it must be a "
-                    f"regular file or absent") from None
+    odd = e.errno in (errno.EISDIR, errno.ENXIO, errno.EOPNOTSUPP)  # a folder, a socket, a device there
+    raise UserError(f"--output {output}: cannot open its lock file {path} ({e.strerror})"
+                    + ("; it must be a regular file, or absent" if odd else "")) from None
   st = os.fstat(fd)
   if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
     os.close(fd)
