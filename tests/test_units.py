@@ -192,6 +192,20 @@ def test_a_linked_lock_file_ends_the_command_in_one_line(tmp_path):
   assert target.read_text() == "the user's file" and sorted(os.listdir(out)) == [".lock"]
 
 
+def test_eval_order_both_writes_no_folder_through_a_link(tmp_path):
+  """``--eval-order both`` runs into ``<output>/eval_before`` and ``eval_after``: a link there is one line, before
+  any work, and nothing (no lock, no log) is written where it points."""
+  out, outside = tmp_path / "o", tmp_path / "outside"
+  out.mkdir()
+  outside.mkdir()
+  os.symlink(outside, out / "eval_before")
+  r = cli("--methods", "source", "--corruptions", "fog", "--images", "64", "--eval-order", "both", "--output",
+          str(out), timeout=300)
+  assert r.returncode == 2 and r.stderr.startswith(f"imagenet_c.py: error: --output {out}: {out}/eval_before is a "
+                                                   f"symbolic link (to {outside}); the run writes there"), r.stderr
+  assert len(r.stderr.splitlines()) == 1 and os.listdir(outside) == []
+
+
 def cli(*args, timeout=900):
   return subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "imagenet_c.py"), *args],
                         capture_output=True, text=True, timeout=timeout)
