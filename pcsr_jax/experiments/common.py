@@ -12,11 +12,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 from pcsr_jax.errors import ArgumentParser, UserError
 
 HEARTBEAT_TIMEOUT_S = 100  # --heartbeat-timeout's default
+INIT_TIMEOUT_S = 300  # --init-timeout's default
 # The seeds a run takes (`config.MAX_SEED`, written out here so that the flags are checked before jax loads; kept
 # equal by tests/test_cli_start.py) and why.
 MAX_SEED = 2**32 - 1
 SEED_RANGE_WHY = "jax.random.key keeps a seed's low 32 bits: a larger one would repeat a smaller one's run"
-INIT_TIMEOUT_S = 300  # --init-timeout's default
 
 
 def parser(prog: str, description: str, presets: dict) -> ArgumentParser:
