@@ -499,7 +499,7 @@ def apply_part(a) -> None:
   if a.part is None:
     return
   part = PARTS[a.part]
-  a.methods = a.methods or part["methods"]
+  a.methods = part["methods"] if a.methods is None else a.methods
   a.batch_sizes = a.batch_sizes or part.get("batch_sizes")
   if not part["e2e"]:
     a.e2e_methods, a.e2e_s = "none", 0.0
@@ -538,14 +538,17 @@ def driver(a) -> int:
     a.arch, a.batch_size, a.steps, a.warmup, a.e2e_images = "vit_tiny_patch32_224", 4, 1, 0, 16
     a.compile_threads, a.budget_s, a.torch_s, a.reserve_s = 2, max(a.budget_s, 900), 400, 0
   apply_part(a)
+  names = [m.strip() for m in a.methods.split(",") if m.strip()] if a.methods is not None else list(methods.REGISTRY)
+  if not names:  # given empty: not every method
+    raise SystemExit(f"--methods: no method given (got {a.methods!r}); give one or more, comma-separated")
+  unknown = [m for m in names if m not in methods.REGISTRY]
+  if unknown:  # before the work folder is made
+    raise SystemExit(f"--methods: unknown method '{unknown[0]}'")
   rep = Report(a)
   own_work = a.work is None
   a.work = os.path.abspath(a.work or tempfile.mkdtemp(prefix="pcsr_gpu_report_"))  # the workers run from ROOT
   os.makedirs(a.work, exist_ok=True)
-  names = [m.strip() for m in a.methods.split(",")] if a.methods else list(methods.REGISTRY)
   for m in list(names):
-    if m not in methods.REGISTRY:
-      raise SystemExit(f"--methods: unknown method '{m}'")
     if not has_torch_reference(m):
       rep.log(f"skipping {m}: no PyTorch reference (benchmarks/torch_methods/{m.replace('-', '_')}.py)")
       rep.data["failures"][m] = "no PyTorch reference"

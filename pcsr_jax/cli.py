@@ -1,4 +1,5 @@
-"""Running a command: `pcsr_jax.malloc`'s restart first, then the command, its `UserError` as one line, exit 2.
+"""Running a command: `pcsr_jax.malloc`'s restart first, then the command, its `UserError` as one line, exit 2;
+Ctrl-C and SIGTERM as ``interrupted``, exit 130.
 
 The layers: `pcsr_jax.errors` (what bad input raises, and the argparse that reports a bad flag in one line)
 imports nothing of pcsr_jax; `pcsr_jax.malloc` raises its `UserError`; this module, the top, uses both. Every
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
 from typing import Callable, NoReturn, Sequence, Union
 
@@ -39,6 +41,7 @@ def run_cli(main: Union[str, Callable[[Sequence[str] | None], int | None]],
   ``PCSR_JAX_MALLOC`` asks for them, restarts the command under `pcsr_jax.malloc`'s allocator settings."""
   try:
     malloc.reexec()
+    signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's stop: as Ctrl-C (the run loop has its own handler)
     if isinstance(main, str):
       module, _, attr = main.partition(":")
       main = getattr(importlib.import_module(module), attr)
@@ -53,6 +56,13 @@ def run_cli(main: Union[str, Callable[[Sequence[str] | None], int | None]],
     sys.stderr.write("interrupted\n")
     sys.exit(130)
   sys.exit(code or 0)
+
+
+def _interrupt(signum: int, frame) -> None:
+  """SIGTERM outside a run's loop (building a cache, writing the results): stops the command as Ctrl-C does,
+  with its one line and exit 130, its ``finally`` blocks run (no half-written temporary file left behind), where
+  Python's default would end it silently."""
+  raise KeyboardInterrupt
 
 
 def _fail(message: str) -> NoReturn:

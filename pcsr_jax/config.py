@@ -19,6 +19,9 @@ from pcsr_jax.models.vit import ATTENTION_IMPLS, compute_dtype
 
 
 EXECUTORS = ("threads", "ray")
+# The largest seed (`--seeds`): with 64-bit types off (JAX's default, the runs'), ``jax.random.key`` keeps the low
+# 32 bits of a seed below 2**63 (2**32 gives seed 0's key) and raises OverflowError from 2**63 on.
+MAX_SEED = 2**32 - 1
 
 
 @dataclasses.dataclass
@@ -111,8 +114,8 @@ class RunConfig:
       raise UserError("--methods: no method given")
     if self.dataset in datasets.REGISTRY and datasets.REGISTRY[self.dataset].has_severity and not self.corruptions:
       raise UserError("--corruptions: no corruption given")
-    if not self.seeds or any(not isinstance(s, int) or s < 0 for s in self.seeds):
-      raise UserError(f"--seeds: expected non-negative integers, got {','.join(map(str, self.seeds))}")
+    if not self.seeds or any(not isinstance(s, int) or not 0 <= s <= MAX_SEED for s in self.seeds):
+      raise UserError(f"--seeds: expected integers from 0 to {MAX_SEED}, got {','.join(map(str, self.seeds))}")
     for flag, values in (("--methods", self.methods), ("--corruptions", self.corruptions), ("--seeds", self.seeds)):
       twice = [v for k, v in enumerate(values) if v in values[:k]]
       if twice:  # it would run twice and weigh twice in the average

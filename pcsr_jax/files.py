@@ -10,7 +10,7 @@ import contextlib
 import hashlib
 import json
 import os
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 
 @contextlib.contextmanager
@@ -49,6 +49,28 @@ def check_output_dir(path: str, flag: str = "--output", beside: bool = False) ->
       raise UserError(f"{flag} {path}: {above} exists and is not a directory")
     if not os.access(above, os.W_OK | os.X_OK):
       raise UserError(f"{flag} {path}: {above} is not writable")
+
+
+def refuse_links(folder: str, names: Iterable[str], walk: Iterable[str] = (), flag: str = "--output") -> None:
+  """A one-line `UserError` naming ``flag`` if any of ``names`` in ``folder`` (the files and folders a command
+  writes there), or anything under the folders among them named in ``walk``, is a symbolic link: the command
+  would write through it, outside ``folder``. The folder itself may be a link (the user's choice); what the
+  command makes in it may not."""
+  from pcsr_jax.errors import UserError
+
+  def refuse(path: str) -> None:
+    raise UserError(f"{flag} {folder}: {path} is a symbolic link (to {os.readlink(path)}); the run writes there and "
+                    f"follows no link out of {flag}: remove it, or give another {flag}")
+
+  for name in names:
+    path = os.path.join(folder, name)
+    if os.path.islink(path):
+      refuse(path)
+    if name in walk and os.path.isdir(path):
+      for top, dirs, found in os.walk(path):  # a link to a folder is listed in dirs, never entered
+        for n in dirs + found:
+          if os.path.islink(os.path.join(top, n)):
+            refuse(os.path.join(top, n))
 
 
 def write_json(path: str, obj: Any, indent: Optional[int] = None) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Optional
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pcsr_jax import distributed, engine, events, lock, progress, results, runlog, units
+from pcsr_jax import distributed, engine, events, files, lock, plots, progress, results, runlog, units
 from pcsr_jax.config import RunConfig
 from pcsr_jax.errors import UserError
 from pcsr_jax.progress import UnitProgress, UnitRecord
@@ -30,6 +30,11 @@ from pcsr_jax.run_setup import Setup, setup as _setup
 # A step longer than this (MEMO's 64 augmented passes per image, DDA's diffusion) is not queued behind the one
 # before it: a stop then waits for the step in flight only.
 SLOW_STEP_S = 1.0
+# What a run writes in its output folder, checked for links before it writes (`files.refuse_links`); the folders
+# among them are walked.
+OUTPUT_NAMES = (runlog.LOG_FILE, "results.json", "results.csv", "table.md", *plots.PLOTS, events.DIR,
+                progress.RESUME_DIR, "predictions")
+OUTPUT_FOLDERS = (events.DIR, progress.RESUME_DIR, "predictions")
 
 
 def run(cfg: RunConfig, log=print) -> dict:
@@ -42,6 +47,8 @@ def run(cfg: RunConfig, log=print) -> dict:
   Under `jax.distributed` every process calls this with the same config; only process 0 logs and writes."""
   main = distributed.is_main()
   with lock.hold(cfg.output, " ".join(sys.argv)) if main else contextlib.nullcontext():
+    if main:  # nothing is written through a link out of the folder (the held lock file is never one: `lock`)
+      files.refuse_links(cfg.output, OUTPUT_NAMES, OUTPUT_FOLDERS)
     headed = isinstance(log, runlog.Log)  # the built-in benchmark's command logged its own header
     log = runlog.for_run(cfg.output, cfg.resume, log if main else lambda *a, **k: None)
     if not headed:  # the log file starts with what it runs

@@ -6,7 +6,8 @@ first run's progress under it.
 
 ``flock`` locks go with the process: a run that is killed leaves no stale lock behind (the file stays, unlocked,
 and the next run takes it). On NFS, Linux maps ``flock`` onto the server's byte-range locks, so hosts sharing
-the folder see each other's lock.
+the folder see each other's lock. The lock files are opened without following a link (``O_NOFOLLOW``) and must
+be regular files with one name: nothing outside the output folder is written through a link there.
 
 Fencing (`Fence`): a Ray actor writes a unit's progress into the folder for its driver, and may outlive it (Ray
 kills a dead driver's actors, but not at once). Each hold of the folder gets the next generation (a counter in
@@ -20,6 +21,7 @@ drops its unit (`Fenced`) and writes nothing more.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -41,17 +43,25 @@ class Fenced(Exception):
 
 
 def _open(path: str, what: str, output: str) -> int:
-  """``path`` opened for reading and writing, created if missing, never through a link: a link or anything but
-  a regular file there is a one-line error, so that nothing outside ``output`` is written through it."""
+  """``path`` (the lock file, or the writers' lock file) opened for reading and writing, created if missing, never
+  through a link: a symbolic link there (``O_NOFOLLOW``), anything but a regular file, or a file with other names
+  (a hard link) is a one-line `UserError`, since the run truncates and writes the lock file and must write
+  nothing outside ``output``."""
   try:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
   except OSError as e:
-    kind = "a symbolic link" if os.path.islink(path) else e.strerror
-    raise UserError(f"--output {output}: cannot open its {what} {path} ({kind}); remove it (a regular file is "
-                    f"made there)") from None
-  if not stat.S_ISREG(os.fstat(fd).st_mode):
+    if e.errno == errno.ELOOP:
+      raise UserError(f"--output {output}: its {what} {path} is a symbolic link; the run writes its lock there "
+                      f"and follows no link out of --output: remove the link") from None
+    odd = e.errno in (errno.EISDIR, errno.ENXIO, errno.EOPNOTSUPP)  # a folder, a socket, a device there
+    raise UserError(f"--output {output}: cannot open its {what} {path} ({e.strerror})"
+                    + ("; it must be a regular file, or absent" if odd else "")) from None
+  st = os.fstat(fd)
+  if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
     os.close(fd)
-    raise UserError(f"--output {output}: its {what} {path} is not a regular file; remove it")
+    kind = "not a regular file" if not stat.S_ISREG(st.st_mode) else f"a hard link ({st.st_nlink} names)"
+    raise UserError(f"--output {output}: its {what} {path} is {kind}; the run writes its lock there: remove "
+                    f"it") from None
   return fd
 
 

@@ -196,6 +196,9 @@ def unit_folder(key: str) -> str:
   return f"{safe[:80]}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
 
 
+RESUME_DIR = "resume"  # the progress's folder in the output
+
+
 class Resume:
   """A run's progress on disk, under ``<output>/resume``: ``progress.json`` (atomic), what the whole run must find
   unchanged (its configuration and data keys, its planned units), and one folder per unit (`UnitRecord` and the
@@ -203,7 +206,7 @@ class Resume:
   several workers, each save and resume alone."""
 
   def __init__(self, out_dir: str):
-    self.dir = os.path.join(os.path.abspath(out_dir), "resume")  # orbax needs absolute paths
+    self.dir = os.path.join(os.path.abspath(out_dir), RESUME_DIR)  # orbax needs absolute paths
     self.path = os.path.join(self.dir, "progress.json")
     self.fence: Optional[lock.Fence] = None  # a Ray actor's: its driver's hold on the folder, checked per write
 

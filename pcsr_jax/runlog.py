@@ -34,9 +34,10 @@ class Log:
       return
     try:
       os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-      with open(self.path, self._mode) as f:
+      flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | (os.O_TRUNC if self._mode == "w" else 0)
+      with os.fdopen(os.open(self.path, flags, 0o644), "a") as f:  # never through a link out of the folder
         f.write(stamped(" ".join(map(str, args))) + "\n")
-    except OSError:  # the run's own checks report an output folder it cannot write
+    except OSError:  # the run's own checks report an output folder it cannot write (or a link there)
       return
     self._mode = "a"
 
@@ -110,14 +111,18 @@ class Units:
     self.passes = dict(passes or {})  # method -> its declared passes per image (`units.declared_passes`)
     self.done = set(done)
     self.t0 = time.monotonic()
+    self.first_start: Optional[float] = None  # when the first unit started: the executors' start-up comes before
     self.finished: list = []  # the units finished here (their wall time is in this run's)
     self.timed: dict[str, list] = {}  # method -> [images, seconds of stepping] of its units finished here
+    self.rates: dict[str, list] = {}  # method -> the seconds per image of each of its units finished here
     # method/seed -> [seen, correct, seconds, units] of its units finished here
     self.totals: dict[str, list] = {}
     self._lock = threading.Lock()
 
   def start(self, unit: Any, where: str = "") -> None:
     """A unit starts on ``where`` (a Ray actor), or in this thread (a device group's)."""
+    with self._lock:
+      self.first_start = time.monotonic() if self.first_start is None else self.first_start
     if self.say_starts:
       self.log(f"{where or threading_name()}: {unit.key} started ({plural(unit.images, 'image')})")
 
@@ -130,23 +135,33 @@ class Units:
     return seen + up.seen, correct + up.correct
 
   def time_left(self, now: Optional[float] = None) -> Optional[float]:
-    """Seconds until every unit is done, or None before a unit has finished here: the wall time so far times the
-    expected cost of the units left over that of the units finished here. A unit's expected cost is its images
-    times its method's seconds per image, as timed here over its finished units, or for a method not timed yet
-    its declared passes per image (`units.declared_passes`) at the seconds per pass of the methods timed: a MEMO
-    unit (65F+64B) weighs some 190 times a Source one (1F) until one of them has run."""
+    """Seconds until every unit is done (never negative), or None while it cannot be told: the wall time since
+    the first unit started (the executors' start-up, once, left out) times the expected cost of the units left
+    over that of the units finished here. A unit's expected cost is its images times its method's seconds per
+    image, as timed here over its finished units, or for a method not timed yet its declared passes per image
+    (`units.declared_passes`) at the seconds per pass of the methods timed: a MEMO unit (65F+64B) weighs some 190
+    times a Source one (1F) until one of them has run. That rate is a timed method's fastest unit's, once two of
+    its units have finished: a first unit's seconds hold its step's compilation, which on a short unit of a cheap
+    method can be most of them, and 190 times that was hours on a table of minutes. Until then, with a method
+    left that is not timed, the time left is not told."""
     with self._lock:
       return self._time_left(now)
 
   def _time_left(self, now: Optional[float]) -> Optional[float]:
     timed = {m: s / i for m, (i, s) in self.timed.items() if i and s > 0}
-    if not self.finished or not timed:
+    if not self.finished or not timed or self.first_start is None:
       return None
-    per_pass = sum(self.timed[m][1] for m in timed) / sum(self.timed[m][0] * self._passes(m) for m in timed)
+    left_units = [u for u in self.plan if u.key not in self.done]
+    per_pass = 0.0
+    if any(u.method not in timed for u in left_units):
+      steady = [min(r) / self._passes(m) for m, r in self.rates.items() if len(r) >= 2]
+      if not steady:
+        return None
+      per_pass = sum(steady) / len(steady)
     cost = lambda u: u.images * timed.get(u.method, self._passes(u.method) * per_pass)
     done = sum(cost(u) for u in self.finished)
-    left = sum(cost(u) for u in self.plan if u.key not in self.done)
-    elapsed = (now if now is not None else time.monotonic()) - self.t0
+    left = sum(cost(u) for u in left_units)
+    elapsed = max(0.0, (now if now is not None else time.monotonic()) - self.first_start)
     return elapsed * left / done if done > 0 else None
 
   def _passes(self, method: str) -> float:
@@ -178,6 +193,8 @@ class Units:
       w = self.timed.setdefault(unit.method, [0, 0.0])
       w[0] += up.seen
       w[1] += up.total_seconds
+      if up.seen and up.total_seconds > 0:
+        self.rates.setdefault(unit.method, []).append(up.total_seconds / up.seen)
       t = self.totals.setdefault(stem(unit.key), [0, 0, 0.0, 0])
       t[0] += up.seen
       t[1] += up.correct

@@ -110,7 +110,7 @@ def test_damaged_checkpoints(world, tmp_path):
 def test_flag_values(world, tmp_path):
   for match, flags in (("--corruptions: no corruption given", ["--corruptions", ","]),
                        ("--methods: no method given", ["--methods", ","]),
-                       ("--seeds: expected non-negative integers", ["--seeds", "-1"]),
+                       ("--seeds: expected integers from 0 to 4294967295, got -1", ["--seeds", "-1"]),
                        ("--workers: expected a positive integer", ["--workers", "-2"]),
                        ("--row-chunk: expected a positive integer", ["--row-chunk", "0"]),
                        ("--imbalance-ratio: expected a number >= 1", ["--imbalance-ratio", "-1"]),
@@ -134,6 +134,27 @@ def test_output_paths(world, tmp_path):
   fails("exists and is not a directory", world, tmp_path / "afile")
   fails("not writable", world, tmp_path / "afile" / "under")
   fails("--output: empty path", world, "")
+
+
+@pytest.mark.parametrize("name, resume", [("log.txt", False), ("table.md", False), ("results.csv", True),
+                                          ("tensorboard", False), ("tensorboard/units", True), ("resume", True),
+                                          ("resume/units", True), ("predictions", False)])
+def test_a_link_where_the_run_writes_is_refused_and_nothing_is_written_through_it(world, tmp_path, name, resume):
+  """A symbolic link in --output where the run writes (a file of its outputs, one of its folders, or a folder
+  inside them): one line naming it, before any work, and nothing written where it points (a link to a folder
+  was entered by ``makedirs``; ``rmtree`` refuses to remove one, so a fresh run did not clear it)."""
+  out = tmp_path / "o"
+  outside = tmp_path / "outside"
+  outside.mkdir()
+  (outside / "keep.txt").write_text("the user's file")
+  path = out / name
+  path.parent.mkdir(parents=True, exist_ok=True)
+  target = outside if name in ("tensorboard", "tensorboard/units", "resume", "resume/units", "predictions") \
+      else outside / "keep.txt"
+  os.symlink(target, path)
+  fails(f"^--output {out}: {path} is a symbolic link \\(to {target}\\); the run writes there and follows no link",
+        world, out, *(["--resume"] if resume else []), "--save-predictions")
+  assert sorted(os.listdir(outside)) == ["keep.txt"] and (outside / "keep.txt").read_text() == "the user's file"
 
 
 def test_divergence_stops_the_run(world, tmp_path):

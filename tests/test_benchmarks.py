@@ -25,6 +25,15 @@ def _counting_step(seconds: float):
   return step, calls
 
 
+@pytest.mark.parametrize("methods", [",", ""])
+def test_gpu_report_refuses_an_empty_method_list_instead_of_running_every_method(methods, tmp_path):
+  """``--methods ,`` and ``--methods ""``: one line, before any work folder is made (``""`` once ran every
+  registered method)."""
+  with pytest.raises(SystemExit, match=rf"^--methods: no method given \(got '{methods}'\)"):
+    gpu_report.main(["--methods", methods, "--work", str(tmp_path / "work"), "--budget-s", "1"])
+  assert not (tmp_path / "work").exists()
+
+
 def test_time_runs_first_warmup_and_timed_steps_without_a_cap():
   step, calls = _counting_step(0.001)
   first_s, per_step, n = _time(step, lambda: None, steps=5, warmup=3)

@@ -40,6 +40,15 @@ def _probe(*flags: str) -> subprocess.CompletedProcess:
     (["--methods", "eat"], "(did you mean eata or eta?)"),
     (["--seeds", "1,x"], "--seeds: expected comma-separated integers, got '1,x'"),
     (["--method-args", "{"], "--method-args: not valid JSON"),
+    # Empty lists once ran the built-in benchmark's default five methods; seeds past 32 bits passed to jax (a
+    # repeat of a smaller seed's key, or an OverflowError). The unwritable --output stops old code at once.
+    (["--methods", ",", "--output", "/dev/null/x"], "--methods: no method given (got ','); give one or more"),
+    (["--methods", "", "--output", "/dev/null/x"], "--methods: no method given (got ''); give one or more"),
+    (["--seeds", "18446744073709551616", "--output", "/dev/null/x"],
+     "--seeds: expected integers from 0 to 4294967295, got 18446744073709551616 (jax.random.key keeps"),
+    (["--seeds", "1,4294967296", "--output", "/dev/null/x"], "--seeds: expected integers from 0 to 4294967295, "
+                                                             "got 4294967296"),
+    (["--seeds", "-1", "--output", "/dev/null/x"], "--seeds: expected integers from 0 to 4294967295, got -1"),
     (["--preset", "continual"], "--preset continual: the continual methods' ImageNet-C protocol (the 15 corruptions "
                                 "in a row, reset once); it needs --data or --clean-data with --checkpoint. Without "
                                 "--data (the built-in benchmark) the one preset is table1 (every method); for this "
@@ -52,6 +61,37 @@ def test_flags_are_checked_before_jax_flax_tfds_or_the_methods_are_imported(flag
     assert "usage: imagenet_c.py" in r.stdout
   else:
     assert message in r.stderr, r.stderr
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("command", ["imagenet_c", "imagenet_rav", "wild", "ablations", "source_stats",
+                                     "tune_builtin"])
+@pytest.mark.parametrize("methods", [",", ""])
+def test_every_command_that_takes_methods_refuses_an_empty_list_in_one_line(command, methods):
+  """None of them falls back to its default methods (or runs none) on ``--methods ,`` or ``--methods ""``: one
+  line, exit 2. The flags each needs otherwise are given, with an output that cannot be made, so that code that
+  lets the empty list through stops at once on something else."""
+  need = {"ablations": ["--table", "lr"], "source_stats": ["--checkpoint", "/nowhere", "--source-data", "/nowhere"]}
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", f"{command}.py"), "--methods", methods,
+                      "--output", "/dev/null/x", *need.get(command, [])], cwd=ROOT, capture_output=True, text=True,
+                     timeout=300)
+  assert r.returncode == 2, r.stderr[-2000:]
+  assert r.stderr == f"{command}.py: error: --methods: no method given (got {methods!r}); give one or more, " \
+                     f"comma-separated\n", r.stderr[-2000:]
+
+
+@pytest.mark.core
+def test_the_seed_range_is_the_configs():
+  """The command's early check and `RunConfig`'s take the same seeds: jax.random.key's distinct ones."""
+  import jax
+
+  from pcsr_jax import config
+  from pcsr_jax.experiments import common
+
+  assert common.MAX_SEED == config.MAX_SEED == 2**32 - 1
+  keys = lambda s: tuple(int(x) for x in jax.random.key_data(jax.random.key(s)))
+  assert len({keys(0), keys(common.MAX_SEED), keys(common.MAX_SEED - 1)}) == 3
+  assert keys(common.MAX_SEED + 1) == keys(0)  # a seed past the range repeats one in it: why it is refused
 
 
 @pytest.mark.core
@@ -96,6 +136,46 @@ def test_the_registry_suggests_the_nearest_name():
 
   with pytest.raises(UserError, match=r"^unknown method 'tnet' \(did you mean tent\?\): expected one of source,"):
     methods.get("tnet")
+
+
+@pytest.mark.parametrize("files, message", [
+    ({"broken.py": "import dataclasses\ndef f(:\n  pass\n"}, r"{d}/broken\.py:2: SyntaxError: invalid syntax"),
+    ({"broken.py": "x = 1\n\n\tif x:\n  pass\n"}, r"{d}/broken\.py:3: IndentationError: unexpected indent"),
+    ({"broken.py": "import json\n\njson.loads('{{')\n"}, r"{d}/broken\.py:3: JSONDecodeError: Expecting property name"),
+    ({"broken.py": "def f():\n  raise RuntimeError('one\\ntwo')\n\nf()\n"},
+     r"{d}/broken\.py:2: RuntimeError: one / two$"),
+    ({"broken.py": "import broken_helper\n", "broken_helper.py": "raise ValueError('deep')\n"},
+     r"{d}/broken\.py:1: ValueError: deep$"),
+])
+def test_a_method_module_that_fails_to_import_is_one_line_naming_its_file_and_line(tmp_path, monkeypatch, files,
+                                                                                     message):
+  """``--methods module:Class`` whose module has a syntax error or raises as it runs (in its own code, or in a
+  module it imports): one line naming the module, the statement of its own file that failed and the error."""
+  import re
+
+  from pcsr_jax import methods
+  from pcsr_jax.errors import UserError
+
+  for name, text in files.items():
+    (tmp_path / name).write_text(text)
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  for name in files:
+    sys.modules.pop(name[:-3], None)
+  with pytest.raises(UserError) as e:
+    methods.load("broken:Mine")
+  assert "\n" not in str(e.value)
+  assert str(e.value).startswith("--methods broken:Mine: cannot import broken: "), str(e.value)
+  assert re.search(message.format(d=re.escape(str(tmp_path))), str(e.value)), str(e.value)
+
+
+def test_a_method_module_that_raises_ends_the_command_in_one_line(tmp_path):
+  """The command as typed: one line on stderr, exit 2, no traceback."""
+  (tmp_path / "broken.py").write_text("x = 1\nraise KeyError('nope')\n")
+  r = subprocess.run([sys.executable, MAIN, "--methods", "source,broken:Mine", "--output", str(tmp_path / "o")],
+                     cwd=tmp_path, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 2 and r.stderr == (f"imagenet_c.py: error: --methods broken:Mine: cannot import broken: "
+                                            f"{tmp_path}/broken.py:2: KeyError: 'nope'\n"), r.stderr[-3000:]
 
 
 @pytest.mark.core

@@ -104,6 +104,8 @@ def cases(world, command: str, mode: str) -> list[tuple[list[str], object]]:
   if command != "ablations":
     c += [(["--methods", "source,tent"], {"methods": ("source", "tent")}),
           (["--methods", "tent,tent"], r"^--methods: tent given twice"),
+          (["--methods", ","], r"^--methods: no method given \(got ','\)"),  # not the default methods
+          (["--methods", ""], r"^--methods: no method given \(got ''\)"),
           (["--methods", "source,tent", "--method-args", '{"tent": {"lr": 0.002}}'],
            {"method_args": lambda v: v["tent"]["lr"] == 0.002}),
           (["--methods", "source,tent", "--method-args", '{"sar": {"lr": 0.002}}'],

@@ -124,6 +124,35 @@ def test_cache_detects_and_rebuilds_bad_entries(tmp_path, test_set):
   assert "source_digest" in other.check("spatter", 5)[1] or other.check("spatter", 5) == (None, "")
 
 
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_stop_while_the_cache_is_built_is_one_line_and_leaves_no_temporary_file(tmp_path, sig):
+  """Ctrl-C or a scheduler's SIGTERM while the built-in benchmark builds its cache (before any unit runs): the
+  command stops with ``interrupted`` (exit 130) and no half-written file in the cache (SIGTERM ended it silently,
+  past its cleanup); what was finished stays, and the rerun generates only the rest."""
+  import signal
+  import time
+
+  script = os.path.join(ROOT, "experiments", "imagenet_c.py")
+  cmd = [sys.executable, script, "--methods", "source", "--images", "10000", "--no-progress", "--cache-dir",
+         str(tmp_path / "cache"), "--output", str(tmp_path / "o")]
+  p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                       env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True,
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal's Ctrl-C
+  for line in p.stdout:
+    if "fmnist-c cache: generating" in line:
+      break
+  time.sleep(1.5)  # some corruptions written, one being generated
+  p.send_signal(getattr(signal, sig))
+  out, err = p.communicate(timeout=300)
+  assert p.returncode == 130 and err == "interrupted\n", (p.returncode, err[-2000:])
+  assert "images generated" not in out
+  cache = tmp_path / "cache" / "fmnist_c"
+  files = [f for _, _, fs in os.walk(cache) for f in fs]
+  assert not [f for f in files if ".tmp" in f], files
+  written = {f[:-len(".json")] for f in files if f.endswith(".json")}
+  assert 0 < len(written) < 15 and {f[:-len(".npy")] for f in files if f.endswith(".npy")} == written
+
+
 def test_committed_source_model_matches_its_record():
   model, params, meta = checkpoint.load(builtin.CHECKPOINT)
   t = meta["training"]

@@ -150,6 +150,32 @@ def test_partial_takes_only_the_finished_units_of_a_run_under_way(run, tmp_path)
     merge_results.main([str(tmp_path / "empty"), "--partial"])
 
 
+def test_partial_on_another_config_a_missing_folder_or_a_folder_as_output_is_one_line(run, tmp_path, capsys):
+  """``--partial`` over a run under way of another stream (more images) than a finished one: the refusal alone
+  (the under-way run's "not finished" line only once a table is merged); a folder that does not exist; an
+  ``--output`` that is a folder or in none: one line each, before any run is read."""
+  from pcsr_jax import progress
+
+  data, _ = run
+  other = dict(data["config"], limit=3)
+  resume = progress.Resume(str(tmp_path / "under_way"))
+  resume.start(dict(config_key=progress.config_key(other, "digest"), data_key="d", units=["tent/seed1/fog"],
+                    source_keys={}))
+  done = _split(data, tmp_path, (("source",),))[0]
+  with pytest.raises(UserError, match=r"^\S+results.json: limit is None, but \S+progress.json has 3; merge only runs "
+                                      r"of the same stream$"):
+    merge_results.main([str(tmp_path / "under_way"), done, "--partial"])
+  assert capsys.readouterr().err == ""
+  with pytest.raises(UserError, match=r"^\S+/nowhere: not found; expected a finished run's folder"):
+    merge_results.main([str(tmp_path / "nowhere"), "--partial"])
+  for out, why in ((tmp_path, "expected a markdown file's path, got a folder"),
+                   (tmp_path / "no" / "t.md", f"{tmp_path / 'no'} is not a folder")):
+    with pytest.raises(UserError, match=f"^--output {out}: {why}$"):
+      merge_results.main([done, "--output", str(out)])
+  merge_results.main([done, "--output", str(tmp_path / "t.md")])
+  assert (tmp_path / "t.md").read_text().startswith("| Method |")
+
+
 def test_speed_takes_the_img_per_s_column_from_another_run_of_the_same_setting(run, tmp_path):
   data, table = run
   a, b = _split(data, tmp_path)

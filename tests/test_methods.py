@@ -235,6 +235,20 @@ def test_sar_lr_doubles_at_batch_size_one():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_sar_come_lr_at_batch_size_one_is_comes_official_formula_not_doubled():
+  """COME's main.py: ``args.lr = (0.001 / 64) * bs`` for vitbase_timm, every method, no doubling at bs 1 (SAR's own
+  main.py doubles it, and `sar` does): SAR-COME at batch size 1 equals its lr given as 0.001 / 64 * 1, and not
+  the doubled one."""
+  official = 0.001 / 64 * 1
+  auto = run(methods.get("sar-come", skip_blocks=()), n=3, batch_size=1)[1]
+  manual = run(methods.get("sar-come", skip_blocks=(), lr=official), n=3, batch_size=1)[1]
+  doubled = run(methods.get("sar-come", skip_blocks=(), lr=2 * official), n=3, batch_size=1)[1]
+  for a, b in zip(jax.tree.leaves(auto.trainable), jax.tree.leaves(manual.trainable)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert any(not np.array_equal(np.asarray(a), np.asarray(b))
+             for a, b in zip(jax.tree.leaves(auto.trainable), jax.tree.leaves(doubled.trainable)))
+
+
 def test_pcsr_vit_large_preset():
   assert (methods.PCSR.preset("vit_large_patch16_224").lr_dsn, methods.PCSR.preset("vit_large_patch16_224").lr_fgn) \
       == (0.05, 0.0001)

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -81,22 +82,50 @@ def test_declared_passes_weigh_a_method_by_its_cost():
 
 
 def test_the_time_left_weighs_the_units_left_by_their_expected_cost():
-  """A Source unit timed, a MEMO unit left: the MEMO unit costs its declared passes at Source's seconds per pass
-  (193 times a Source unit), not its images; once a MEMO unit is timed, its own seconds per image count."""
+  """Two Source units timed, MEMO units left: a MEMO unit costs its declared passes at Source's seconds per pass
+  (193 times a Source unit), not its images; once a MEMO unit is timed, its own seconds per image count. The wall
+  time counts from the first unit's start."""
   from pcsr_jax import runlog
 
   plan = [units.Unit(f"{m}/seed1/c{i}", m, 1, (i,), 100) for m in ("source", "memo") for i in range(3)]
   lines = []
   t = runlog.Units(plan, set(), lines.append, say_starts=False, passes={"source": 1.0, "memo": 193.0})
   assert t.time_left() is None  # nothing timed yet
-  done = type("Up", (), dict(seen=100, correct=50, total_seconds=1.0))
-  t.finish(plan[0], done, "c0", [dict(num_samples=100, accuracy=0.5)])
-  # 10 s of wall time for 1 s of Source's cost: left 2 Source units (2 s) + 3 MEMO units (3 x 193 s)
-  assert t.time_left(now=t.t0 + 10) == pytest.approx(10 * (2 * 1.0 + 3 * 193.0) / 1.0)
-  assert "units 1 of 6 done, about" in lines[-1]
-  t.finish(plan[3], type("Up", (), dict(seen=100, correct=10, total_seconds=50.0)), "c0", [])  # MEMO: 0.5 s/image
-  # done: Source 1 s + MEMO 50 s of cost in the 20 s; left: 2 Source (2 s), 2 MEMO (100 s)
-  assert t.time_left(now=t.t0 + 20) == pytest.approx(20 * (2.0 + 100.0) / 51.0)
+  t.start(plan[0])
+  t0 = time.monotonic()
+  up = lambda seconds: type("Up", (), dict(seen=100, correct=50, total_seconds=seconds))
+  t.finish(plan[0], up(1.0), "c0", [dict(num_samples=100, accuracy=0.5)])
+  t.finish(plan[1], up(1.0), "c1", [dict(num_samples=100, accuracy=0.5)])
+  # 10 s of wall time for 2 s of Source's cost: left 1 Source unit (1 s) + 3 MEMO units (3 x 193 s)
+  assert t.time_left(now=t0 + 10) == pytest.approx(10 * (1.0 + 3 * 193.0) / 2.0)
+  assert "units 2 of 6 done, about" in lines[-1]
+  t.finish(plan[3], up(50.0), "c0", [])  # MEMO: 0.5 s/image
+  # done: Source 2 s + MEMO 50 s of cost in the 20 s; left: 1 Source (1 s), 2 MEMO (100 s)
+  assert t.time_left(now=t0 + 20) == pytest.approx(20 * (1.0 + 100.0) / 52.0)
+  assert t.time_left(now=t0 - 5) == 0.0  # never negative
+
+
+def test_the_time_left_is_never_hours_on_a_table_of_minutes():
+  """A first Source unit of 64 images whose 5 s are mostly its step's compilation, fifteen MEMO units of 64 images
+  left (MEMO measured at 1.5 img/s here: some 11 min), the executors started 60 s after the run: no time is told
+  until a Source unit has run on a compiled step (5 s x 193 passes per 64 images over 15 units was 4 hours, and
+  the start-up's 60 s weighed with them); then it is minutes, counted from the first unit's start."""
+  from pcsr_jax import runlog
+
+  plan = [units.Unit(f"source/seed1/c{i}", "source", 1, (i,), 64) for i in range(2)]
+  plan += [units.Unit(f"memo/seed1/c{i}", "memo", 1, (i,), 64) for i in range(15)]
+  lines = []
+  t = runlog.Units(plan, set(), lines.append, say_starts=False, passes={"source": 1.0, "memo": 193.0})
+  time.sleep(0.5)  # the executors' start-up: not a unit's cost
+  t.start(plan[0])
+  t0 = time.monotonic()
+  up = lambda seconds: type("Up", (), dict(seen=64, correct=32, total_seconds=seconds))
+  t.finish(plan[0], up(5.0), "c0", [dict(num_samples=64, accuracy=0.5)])
+  assert t.time_left(now=t0 + 5) is None and lines[-1].endswith("units 1 of 17 done")
+  t.finish(plan[1], up(0.04), "c1", [dict(num_samples=64, accuracy=0.5)])  # 1,600 img/s, compiled
+  left = t.time_left(now=t0 + 5.04)
+  assert left == pytest.approx(5.04 * 15 * 64 * 193 * (0.04 / 64) / 5.04, rel=0.01)  # 116 s: 15 MEMO units
+  assert 60 < left < 600 and "units 2 of 17 done, about" in lines[-2]
 
 
 def test_a_second_run_on_one_output_is_refused_naming_the_holder(tmp_path):
@@ -156,6 +185,64 @@ def test_an_actor_of_a_dead_or_replaced_driver_writes_nothing(tmp_path):
     own.fence = lock.Fence(out, gen)  # an actor of the second driver writes
     own.save_unit(rec, {"w": np.ones(3, np.float32)})
     assert own.load_unit(rec.key).progress.batch == 4
+
+
+def test_a_lock_path_that_is_a_link_or_not_a_regular_file_is_refused_and_nothing_is_written_through_it(tmp_path):
+  """``<output>/.lock`` a symbolic link (to a file, or dangling), a hard link, a folder or a FIFO: one line
+  naming it, and the file a link points to keeps its bytes (a dangling link's target is not made). Garbage in a
+  regular lock file is no obstacle: the run takes the lock and writes its holder over it."""
+  from pcsr_jax import lock
+
+  out = tmp_path / "o"
+  out.mkdir()
+  target = tmp_path / "precious.txt"
+  target.write_text("the user's file")
+  cases = {"a symbolic link": lambda p: os.symlink(target, p),
+           "a dangling symbolic link": lambda p: os.symlink(tmp_path / "made_through_the_link", p),
+           "a hard link": lambda p: os.link(target, p), "a folder": os.mkdir, "a FIFO": os.mkfifo}
+  for what, make in cases.items():
+    path = out / ".lock"
+    make(path)
+    with pytest.raises(UserError) as e:
+      with lock.hold(str(out), "run"):
+        pass
+    assert str(e.value).startswith(f"--output {out}: ") and str(path) in str(e.value), (what, str(e.value))
+    assert "\n" not in str(e.value)
+    assert target.read_text() == "the user's file" and not (tmp_path / "made_through_the_link").exists(), what
+    os.rmdir(path) if path.is_dir() and not path.is_symlink() else os.remove(path)
+  (out / ".lock").write_bytes(b"\x00\xffnot json{")
+  with lock.hold(str(out), "run"):
+    assert json.loads((out / ".lock").read_text())["pid"] == os.getpid()
+  (out / ".lock").write_bytes(b"[1, 2]")  # JSON, not a holder: a second run's refusal still reads in one line
+  assert lock.holder(str(out)) == "another run (its holder file is unreadable)"
+
+
+def test_a_linked_lock_file_ends_the_command_in_one_line(tmp_path):
+  """The command as typed, on the built-in benchmark: exit 2, one line, the linked file untouched."""
+  out = tmp_path / "o"
+  out.mkdir()
+  target = tmp_path / "precious.txt"
+  target.write_text("the user's file")
+  os.symlink(target, out / ".lock")
+  r = cli("--methods", "source", "--corruptions", "fog", "--images", "64", "--output", str(out), timeout=300)
+  assert r.returncode == 2 and r.stderr == (f"imagenet_c.py: error: --output {out}: its lock file {out}/.lock is a "
+                                            f"symbolic link; the run writes its lock there and follows no link out "
+                                            f"of --output: remove the link\n"), r.stderr[-3000:]
+  assert target.read_text() == "the user's file" and sorted(os.listdir(out)) == [".lock"]
+
+
+def test_eval_order_both_writes_no_folder_through_a_link(tmp_path):
+  """``--eval-order both`` runs into ``<output>/eval_before`` and ``eval_after``: a link there is one line, before
+  any work, and nothing (no lock, no log) is written where it points."""
+  out, outside = tmp_path / "o", tmp_path / "outside"
+  out.mkdir()
+  outside.mkdir()
+  os.symlink(outside, out / "eval_before")
+  r = cli("--methods", "source", "--corruptions", "fog", "--images", "64", "--eval-order", "both", "--output",
+          str(out), timeout=300)
+  assert r.returncode == 2 and r.stderr.startswith(f"imagenet_c.py: error: --output {out}: {out}/eval_before is a "
+                                                   f"symbolic link (to {outside}); the run writes there"), r.stderr
+  assert len(r.stderr.splitlines()) == 1 and os.listdir(outside) == []
 
 
 def cli(*args, timeout=900):

@@ -13,6 +13,10 @@ from pcsr_jax.errors import ArgumentParser, UserError
 
 HEARTBEAT_TIMEOUT_S = 100  # --heartbeat-timeout's default
 INIT_TIMEOUT_S = 300  # --init-timeout's default
+# The seeds a run takes (`config.MAX_SEED`, written out here so that the flags are checked before jax loads; kept
+# equal by tests/test_cli_start.py) and why.
+MAX_SEED = 2**32 - 1
+SEED_RANGE_WHY = "jax.random.key keeps a seed's low 32 bits: a larger one would repeat a smaller one's run"
 
 
 def parser(prog: str, description: str, presets: dict) -> ArgumentParser:
@@ -108,12 +112,13 @@ def parser(prog: str, description: str, presets: dict) -> ArgumentParser:
 
 def check_flags(a) -> None:
   """What the flags alone can tell, checked before jax, flax or the methods are imported (a few seconds on a
-  loaded machine): the method names (with the nearest names for a misspelled one), the seeds and the JSON of
+  loaded machine): the method names (none given is refused: with none the built-in benchmark would run its
+  default methods; the nearest names for a misspelled one), the seeds (their range: `parse_seeds`) and the JSON of
   --method-args. `config_from_args` checks everything again, with the registry and the data."""
   from pcsr_jax import method_names
 
-  if getattr(a, "methods", None) and a.methods.strip() != "all":
-    method_names.check(parse_list(a.methods))
+  if getattr(a, "methods", None) is not None and a.methods.strip() != "all":
+    method_names.check(method_list(a.methods))
   if getattr(a, "seeds", None) is not None:
     parse_seeds(a.seeds)
   parse_method_args(getattr(a, "method_args", None))
@@ -336,12 +341,22 @@ def parse_list(text: str) -> tuple[str, ...]:
   return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
+def method_list(text: str, flag: str = "--methods") -> tuple[str, ...]:
+  """The names of a comma-separated ``--methods``; none (``""``, ``","``) is a one-line `UserError`: a flag given
+  empty must not fall back to the command's default methods, which nobody asked for."""
+  names = parse_list(text)
+  if not names:
+    raise UserError(f"{flag}: no method given (got {text!r}); give one or more, comma-separated")
+  return names
+
+
 def parse_methods(text: str) -> tuple[str, ...]:
   """``--methods``: comma-separated names or ``package.module:Class`` of a method defined outside this package
-  (imported and registered: `methods.load`), or ``all`` (every registered method)."""
+  (imported and registered: `methods.load`), or ``all`` (every registered method); none is refused
+  (`method_list`)."""
   from pcsr_jax import methods
 
-  return tuple(methods.REGISTRY) if text.strip() == "all" else tuple(methods.load(m) for m in parse_list(text))
+  return tuple(methods.REGISTRY) if text.strip() == "all" else tuple(methods.load(m) for m in method_list(text))
 
 
 def parse_corruptions(text: str) -> tuple[str, ...]:
@@ -354,10 +369,16 @@ def parse_corruptions(text: str) -> tuple[str, ...]:
 
 
 def parse_seeds(text: str) -> tuple[int, ...]:
+  """``--seeds``: comma-separated integers from 0 to `MAX_SEED`, checked here, before jax is imported."""
   try:
-    return tuple(int(s) for s in text.split(","))
+    seeds = tuple(int(s) for s in text.split(","))
   except ValueError:
     raise UserError(f"--seeds: expected comma-separated integers, got '{text}'") from None
+  bad = next((s for s in seeds if not 0 <= s <= MAX_SEED), None)
+  if bad is not None:
+    raise UserError(f"--seeds: expected integers from 0 to {MAX_SEED}, got {bad}"
+                    + (f" ({SEED_RANGE_WHY})" if bad > 0 else ""))
+  return seeds
 
 
 def parse_method_args(text: Optional[str]) -> dict:
@@ -422,8 +443,10 @@ def run_many(configs: dict, output: str, title: str, column: str = "Avg.") -> st
     for m in cfg.methods:
       lines.append(f"| {name} | {m} | {fmt_mean_std([100 * v for v in mean_accuracy(res['records'], m, cfg.seeds)])} |")
   table = "\n".join(lines) + "\n"
+  from pcsr_jax.files import atomic_path
+
   os.makedirs(output, exist_ok=True)
-  with open(os.path.join(output, "summary.md"), "w") as f:
+  with atomic_path(os.path.join(output, "summary.md")) as tmp, open(tmp, "w") as f:  # a link there is replaced
     f.write(table)
   print(table)
   return table

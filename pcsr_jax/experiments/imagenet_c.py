@@ -70,13 +70,15 @@ def builtin_run(a) -> int:
   """No --data: the built-in Fashion-MNIST-C benchmark (see pcsr_jax/experiments/builtin.py)."""
   import time
 
-  from pcsr_jax import distributed, lock, runlog
+  from pcsr_jax import distributed, files, lock, runlog
 
   t0 = time.time()
   cfg = configs(a)[""]
   if not distributed.is_main():
     return _builtin_runs(a, cfg, t0, lambda *a, **k: None)
   with lock.hold(cfg.output, " ".join(sys.argv)):  # before the header goes into log.txt: one run per folder
+    # What this command writes beside its runs' own outputs (`harness.OUTPUT_NAMES`): never through a link.
+    files.refuse_links(cfg.output, (runlog.LOG_FILE, "eval_before", "eval_after"))
     # Process 0 speaks, into <output>/log.txt too (the runs' own lines join it).
     return _builtin_runs(a, cfg, t0, runlog.Log(cfg.output, cfg.resume))
 

@@ -29,6 +29,7 @@ import numpy as np
 
 from pcsr_jax import results
 from pcsr_jax.errors import ArgumentParser, UserError
+from pcsr_jax.files import atomic_path
 
 # What every merged run must share: the stream and the protocol. Not the methods, their arguments, the seeds, the
 # output or the loader: they may differ between runs (a (method, seed) unit is taken from one run only).
@@ -163,13 +164,27 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--speed", help="take each method's img/s from this finished run (its folder or results.json) "
                  "instead: one with the machine to itself, of the same dataset, setting, batch size and dtype")
   a = p.parse_args(argv)
+  if a.output is not None:
+    check_output_file(a.output)
   runs = [load(r, a.partial) for r in a.runs]
-  for line in map(report_missing, runs):
+  table = merge(runs, speed=load(a.speed) if a.speed else None)
+  for line in map(report_missing, runs):  # after the merge: a refused one is its one line alone
     if line:
       print(line, file=sys.stderr)
-  table = merge(runs, speed=load(a.speed) if a.speed else None)
   print(table, end="")
   if a.output:
-    with open(a.output, "w", encoding="utf-8") as f:
+    with atomic_path(a.output) as tmp, open(tmp, "w", encoding="utf-8") as f:
       f.write(table)
   return 0
+
+
+def check_output_file(path: str) -> None:
+  """``--output``: a file that can be written (in a folder that exists and is writable, not a folder itself),
+  checked before any run is read; else a one-line `UserError`."""
+  folder = os.path.dirname(os.path.abspath(path))
+  if not path or os.path.isdir(path):
+    raise UserError(f"--output {path}: expected a markdown file's path, got {'a folder' if path else 'nothing'}")
+  if not os.path.isdir(folder):
+    raise UserError(f"--output {path}: {folder} is not a folder")
+  if not os.access(folder, os.W_OK | os.X_OK):
+    raise UserError(f"--output {path}: {folder} is not writable")

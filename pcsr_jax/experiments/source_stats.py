@@ -36,7 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   if a.batch_size < 1 or (a.source_images is not None and a.source_images < 1):
     raise UserError("--batch-size and --source-images must be positive")
   margs = common.parse_method_args(a.method_args)
-  chosen = [methods.get(m, **margs.get(m, {})) for m in common.parse_list(a.methods)]
+  chosen = [methods.get(m, **margs.get(m, {})) for m in common.method_list(a.methods)]
   for m in chosen:
     if not m.uses_source_data():
       raise UserError(f"--methods: {m.name} uses no source statistics")

@@ -22,7 +22,7 @@ import time
 from typing import Sequence
 
 from pcsr_jax.experiments import builtin, common
-from pcsr_jax.errors import ArgumentParser
+from pcsr_jax.errors import ArgumentParser, UserError
 
 RESULTS = os.path.join(common.ROOT, "experiments", "results")
 
@@ -86,11 +86,14 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--results", default=RESULTS, help="where tune_builtin.json/.md go")
   p.add_argument("--cache-dir")
   a = p.parse_args(argv)
+  ms = list(common.method_list(a.methods))
+  if any(m not in GRID for m in ms):  # before the Source run, not a KeyError after it
+    raise UserError(f"--methods: {next(m for m in ms if m not in GRID)} has no grid here; expected some of "
+                    f"{', '.join(GRID)}")
   from pcsr_jax import harness
   from pcsr_jax.data.generators import corruptions
 
   t0 = time.time()
-  ms = [m.strip() for m in a.methods.split(",") if m.strip()]
   rows = []
   src = harness.run(builtin.run_config(os.path.join(a.output, "source"), images=a.images, methods=("source",),
                                        corruptions=corruptions.HELDOUT, cache_dir=a.cache_dir, progress=False))

@@ -15,6 +15,7 @@ import dataclasses
 import importlib
 import os
 import sys
+import traceback
 import typing
 
 from pcsr_jax.errors import UserError, check_fields
@@ -105,15 +106,40 @@ def load(spec: str) -> str:
   if os.getcwd() not in sys.path:
     sys.path.append(os.getcwd())
   try:
-    cls = getattr(importlib.import_module(module), attr)
+    found = importlib.import_module(module)
   except ImportError as e:
     raise UserError(f"--methods {spec}: cannot import {module} ({type(e).__name__}: {e})") from None
+  except SyntaxError as e:  # IndentationError too: the module's own file and line, not the import machinery's
+    raise UserError(f"--methods {spec}: cannot import {module}: {e.filename}:{e.lineno}: "
+                    f"{type(e).__name__}: {e.msg}") from None
+  except Exception as e:  # the module's code raised as it ran: where, in its own file
+    raise UserError(f"--methods {spec}: cannot import {module}: {_raised_at(e)}: {type(e).__name__}: "
+                    f"{_one_line(e)}") from None
+  try:
+    cls = getattr(found, attr)
   except AttributeError:
     raise UserError(f"--methods {spec}: {module} has no {attr}") from None
   name = getattr(cls, "name", None)
   if not isinstance(name, str):
     raise UserError(f"--methods {spec}: expected a Method class with a `name` (ClassVar[str]), got {cls!r}")
   return register(name, cls)
+
+
+def _raised_at(e: BaseException) -> str:
+  """``file:line`` of the statement of an imported module's own file that raised ``e`` while the module ran (the
+  deepest frame in that file: the module's line, not a library's it called), past the import machinery."""
+  machinery = (__file__, importlib.__file__)
+  frames = [f for f in traceback.extract_tb(e.__traceback__)
+            if f.filename not in machinery and not f.filename.startswith("<frozen ")]
+  if not frames:
+    return "?"
+  mine = [f for f in frames if f.filename == frames[0].filename]
+  return f"{mine[-1].filename}:{mine[-1].lineno}"
+
+
+def _one_line(e: BaseException) -> str:
+  """An exception's message on one line (its lines joined), or its type when it has none."""
+  return " / ".join(line.strip() for line in str(e).splitlines() if line.strip()) or "(no message)"
 
 
 def origin(name: str) -> str:

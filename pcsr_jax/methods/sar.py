@@ -9,7 +9,8 @@
   DPAL repositories also skip 'blocks.21'-'blocks.23', as their methods do
   (`methods.pcsr`, `base.AUTHORS_SKIP_BLOCKS`): ``skip_blocks`` gives theirs.
 * Optimizer: SAM (rho 0.05, not adaptive) over SGD(lr = 0.001 * B / 64,
-  momentum 0.9); the lr is doubled at batch size 1.
+  momentum 0.9); the lr is doubled at batch size 1 (SAR's ``main.py``; not for
+  ``sar-come``, below).
 * Step: entropy -> mask ``ent < E0`` (strict) -> mean over the mask -> grad ->
   perturb by ``rho * g / (||g|| + 1e-12)`` (global norm) -> forward at the
   perturbed weights, keep the first mask's samples, mask again ``ent2 < E0`` ->
@@ -30,7 +31,9 @@
 
 ``loss='come'`` (registry name ``sar-come``) is COME's SAR (``BlueWhaleLab/COME:sar_come.py``): both passes'
 entropies (their masks against E0, the losses, the EMA and its 0.2 reset) are `losses.come_entropy`'s; the
-checkpoint's normalization, where COME's runs take ImageNet's.
+checkpoint's normalization, where COME's runs take ImageNet's. Its default lr is COME's ``main.py``'s
+(``0.001 / 64 * bs`` for ``vitbase_timm``, every method), never doubled: SAR's own ``main.py`` doubles it at batch
+size 1, COME's does not.
 
 An empty mask gives a zero gradient (PyTorch: NaN loss, zero grads); the SGD
 step still runs, so momentum moves the params as it does in PyTorch.
@@ -55,7 +58,7 @@ class SAR(Method):
   name: ClassVar[str] = "sar"
   cost: ClassVar[str] = "2F+2B"
   eval_orders: ClassVar[tuple[str, ...]] = ("before", "after", "perturbed")
-  lr: Optional[float] = field(None, "> 0")  # None: 0.001 * B / 64, doubled at B = 1
+  lr: Optional[float] = field(None, "> 0")  # None: 0.001 * B / 64, doubled at B = 1 but with loss='come'
   momentum: float = field(0.9, "[0, 1)")
   rho: float = field(0.05, ">= 0")  # SAM's assert rho >= 0
   reset_constant: float = field(0.2, ">= 0")  # 0: never resets (an entropy EMA is never below 0)
@@ -70,7 +73,8 @@ class SAR(Method):
     return is_block_layernorm_param(path, self.skip_blocks)
 
   def prepare(self, model, params, rng, batch_size):
-    lr = self.lr if self.lr is not None else sar_code_lr(batch_size) * (2 if batch_size == 1 else 1)
+    doubled = batch_size == 1 and self.loss != "come"  # SAR's main.py doubles it at B = 1; COME's does not
+    lr = self.lr if self.lr is not None else sar_code_lr(batch_size) * (2 if doubled else 1)
     return Prepared(model, params, is_trainable=self.trainable, tx=sgd(lr, self.momentum))
 
   def init_extra(self, prep, trainable, opt_state):
