@@ -18,7 +18,11 @@ decides, and so do we:
   a run is then a function of its C's, which results.json records and ``--realtime-cost`` can fix.
 * **What a skipped batch gets.** A forward of the method's latest adapted parameters, no adaptation: the code
   predicts it with ``model.model(images)`` (`utils/online_eval.py:35-36`), the very network the method updates
-  in place. (Its ``--single_model`` variant, random predictions for skipped batches, lines 33-34, is not the
+  in place. Where a method's own prediction is not that network's forward, a skipped batch still gets the
+  network's (`engine.Adapter.predict`: `Method.forward` of the adapted params), as ``model.model`` is CoTTA's
+  student, not its teacher (`tta_methods/cotta.py:23`), and DDA's classifier without the diffusion ensemble
+  (`tta_methods/dda.py:11`); so here T3A's skipped batches get the source head, not its prototypes. (Its
+  ``--single_model`` variant, random predictions for skipped batches, lines 33-34, is not the
   paper's main protocol and is not offered.)
 * **Skipped or queued.** Skipped: a batch that arrives while the method adapts is predicted and never adapted on
   (`utils/online_eval.py:32-37` only counts ``delay`` down); nothing is queued, and the stream order is kept.
