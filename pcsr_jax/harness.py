@@ -126,8 +126,14 @@ def measure_costs(setup: Setup, log) -> None:
   elif need_source:
     todo = ["source"] + [m for m in todo if m != "source"]
   mesh = setup.groups[0] if setup.groups else engine.data_mesh(jax.local_devices())
-  placed, measured = None, {}
-  for m in todo:
+  reveal = saved.get("_reveal")
+  if rate is not None and rate != realtime.SOURCE and reveal is None:
+    reveal = dict(rate=rate, seconds=realtime.reveal_seconds(rate, cfg.batch_size, None))
+  if todo:
+    log(f"timing {len(todo)} method{'s' if len(todo) > 1 else ''}' steps: compiled, then {cfg.cost_batches} steps "
+        f"each on the stream's first batch")
+  placed = None
+  for m in todo:  # Source first under --realtime source: its forward is the stream's clock
     adapter = _adapter(setup, m, cfg.seeds[0], mesh)
     if placed is None:
       placed = _first_batch(setup, adapter)
@@ -139,25 +145,19 @@ def measure_costs(setup: Setup, log) -> None:
       keys = ("step_s_median", "step_s_p90", "images_per_s", "compile_s")
       agreed = multihost_utils.broadcast_one_to_all(np.asarray([c[k] for k in keys], np.float64))
       c.update({k: float(v) for k, v in zip(keys, agreed)})
-    measured[m] = c
-    if m in cfg.methods:
-      costs[m] = c
-  reveal = saved.get("_reveal")
-  if rate is not None and reveal is None:
-    src = measured.get("source") if rate == realtime.SOURCE else None
-    reveal = dict(rate=rate, seconds=realtime.reveal_seconds(rate, cfg.batch_size, src and src["step_s_median"]))
-  for m in cfg.methods:
-    c = costs[m]
-    if rate is not None and "realtime_c" not in c:
+    if m == "source" and need_source:
+      reveal = dict(rate=rate, seconds=c["step_s_median"])
+      log(f"--realtime {rate}: the stream reveals a batch every {1e3 * reveal['seconds']:.1f} ms "
+          f"({realtime.describe(rate)})")
+    if m not in cfg.methods:
+      continue
+    if rate is not None:
       if m in cfg.realtime_cost:
         c.update(realtime_c=cfg.realtime_cost[m], realtime_c_from="--realtime-cost")
       else:
         c.update(realtime_c=realtime.relative_cost(c["step_s_median"], reveal["seconds"]), realtime_c_from="measured")
-    if m in measured:
-      log(cost.log_lines(m, c))
-  if reveal is not None:
-    log(f"--realtime {rate}: the stream reveals a batch every {1e3 * reveal['seconds']:.1f} ms "
-        f"({realtime.describe(rate)})")
+    costs[m] = c
+    log(cost.log_lines(m, c))
   setup.costs = dict(costs, **({"_reveal": reveal} if reveal is not None else {}))
   if distributed.is_main():
     cost.save(setup.resume.dir, setup.costs)
