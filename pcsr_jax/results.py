@@ -213,8 +213,8 @@ def write_outputs(setup: Any, progress: Any, log) -> dict:
   from pcsr_jax import methods
 
   cfg = setup.cfg
-  costs = run_costs(setup)
-  records = cost.with_costs(progress.records, costs)
+  costs = run_costs(setup)  # results.json's ``costs``; results.csv's rows carry their method's (`cost.with_costs`)
+  records = progress.records
   have = {(r["method"], r["seed"], r.get("domain", r["corruption"])) for r in records}
   missing = [(m, s, d) for s in cfg.seeds for m in cfg.methods for d in setup.names if (m, s, d) not in have]
   if missing:
@@ -240,7 +240,7 @@ def write_outputs(setup: Any, progress: Any, log) -> dict:
   if setup.ccc is not None:
     extra["ccc"] = setup.ccc
   write_json(os.path.join(cfg.output, "results.json"), records, setup.config_json, extra)
-  write_csv(os.path.join(cfg.output, "results.csv"), records)
+  write_csv(os.path.join(cfg.output, "results.csv"), cost.with_costs(records, costs))
   both = caption(records, cfg) + tbl + (f"\n{cost_tbl}" if cost_tbl else "")
   with open(os.path.join(cfg.output, "table.md"), "w") as f:
     f.write(both)

@@ -211,7 +211,7 @@ def test_every_run_records_its_costs_in_every_output(world, tmp_path):
     assert c["compile_s"] >= 0 and c["step_s_p90"] >= c["step_s_median"] and c["cost_batches"] == 2
     assert c["peak_memory_kind"] == "process peak RSS (CPU)" and "realtime_c" not in c
     assert any(line.startswith(f"{m}: step ") for line in lines)
-  assert all(r["step_s_median"] > 0 for r in data["records"])
+  assert not any("step_s_median" in r for r in data["records"])  # records stay comparable between runs
   with open(tmp_path / "results.csv") as f:
     rows = list(csv.DictReader(f))
   assert all(float(r["images_per_s"]) > 0 and int(r["peak_memory_bytes"]) > 0 for r in rows)
