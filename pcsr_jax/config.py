@@ -7,11 +7,11 @@ import dataclasses
 import math
 import os
 import socket
-from typing import Optional
+from typing import Optional, Union
 
 import jax
 
-from pcsr_jax import ccc_stream, distributed, engine, method_names, methods, source_stats
+from pcsr_jax import ccc_stream, distributed, engine, method_names, methods, realtime, source_stats
 from pcsr_jax.data import datasets, imagenet, sources, streams
 from pcsr_jax.data.generators import corruptions as corr
 from pcsr_jax.errors import UserError
@@ -93,6 +93,13 @@ class RunConfig:
   executor: str = "threads"
   ray_address: Optional[str] = None
   ray_timeout: Optional[float] = None
+  # The realistic online protocol (`pcsr_jax.realtime`): the stream's speed ("source": one batch per Source
+  # forward on this device; a number: images per second; None: unlimited time), each method's relative cost C
+  # where it is fixed (else measured), and the timed steps per method after compilation (`pcsr_jax.cost`: every
+  # run's cost table, and C).
+  realtime: Union[None, str, float] = None
+  realtime_cost: dict = dataclasses.field(default_factory=dict)
+  cost_batches: int = 5
 
   def validate(self) -> None:
     """Every value checked before any work starts: one line naming the flag on the first bad one. Resolves
@@ -105,6 +112,7 @@ class RunConfig:
     self._check_ccc_values()  # whether or not the setting is ccc: a value is checked where it is given
     self._check_model()
     self._check_source()
+    self._check_realtime()
     if self.setting == "bs1" and self.batch_size != 1:
       self.batch_size = 1  # the bs1 setting *is* batch size 1
 
@@ -220,6 +228,19 @@ class RunConfig:
         if method.uses_source_data() and method.source_free() is None:
           raise UserError(f"--source-data: {m} needs clean source data (a clean ImageNet folder, or tfds) for "
                           f"its statistics; none given")
+
+  def _check_realtime(self) -> None:
+    """``--realtime``: a rate; ``--realtime-cost``: positive integers for methods of the run, with ``--realtime``."""
+    self.realtime = realtime.parse_rate(self.realtime)
+    self.realtime_cost = realtime.parse_costs(self.realtime_cost)
+    if self.realtime_cost and self.realtime is None:
+      raise UserError("--realtime-cost: fixes the costs of --realtime's protocol; give --realtime too")
+    extra = [m for m in self.realtime_cost if m not in self.methods]
+    if extra:
+      raise UserError(f"--realtime-cost: {extra[0]} is not among the methods run ({', '.join(self.methods)})")
+    if not (isinstance(self.cost_batches, int) and not isinstance(self.cost_batches, bool) and
+            self.cost_batches >= 1):
+      raise UserError(f"--cost-batches: expected a positive integer, got {self.cost_batches}")
 
   def _check_ccc_values(self) -> None:
     """``--ccc-*``: a target percentage, positive counts, and a stream whose plan fits in memory

@@ -28,6 +28,10 @@
   fewer bytes to transfer) are normalized inside the compiled step with the
   checkpoint's ``mean``/``std`` given to the Adapter, by a lookup in
   `transforms.normalize_table`: bit for bit the host's `Preprocess.normalize`.
+* ``predict(state, images)`` (`predict_placed`): the logits of a forward of the state's latest adapted params,
+  without adapting (no loss, no update, the state neither changed nor donated): what a batch gets that the
+  realistic protocol skips (`pcsr_jax.realtime`; Alfarra et al.'s `utils/online_eval.py:36`, ``model.model``).
+  Compiled once, beside the step, on its first call.
 * ``row_chunk=N`` runs every forward of the step in passes of N rows (`methods.rows.in_row_passes`): the same
   step up to float32 rounding, faster on CPUs at large batches (the activations of a pass stay in the caches).
 """
@@ -141,6 +145,10 @@ class Adapter:
                          in_shardings=(self._replicated, self._replicated, self._replicated,
                                        self._batch_sharding, self._batch_sharding),
                          out_shardings=(self._replicated, self._batch_sharding, self._replicated))
+    self._predict = jax.jit(self._predict_impl,
+                            in_shardings=(self._replicated, self._replicated, self._replicated,
+                                          self._batch_sharding, self._batch_sharding),
+                            out_shardings=(self._batch_sharding, self._replicated))
 
   @property
   def num_trainable(self) -> int:
@@ -176,6 +184,15 @@ class Adapter:
       finite &= jnp.all(jnp.isfinite(leaf))
     metrics["finite"] = finite
     return state, logits, metrics
+
+  def _predict_impl(self, frozen, consts, state: AdaptState, images, valid):
+    """A forward of the latest adapted params (`Method.forward`, the network the method adapts, as the official
+    protocol's ``model.model``): ``(logits, {'finite': ...})``."""
+    if images.dtype == jnp.uint8:
+      images = normalize_uint8(images, self._table, valid)
+    prep = dataclasses.replace(self.prep, consts=consts, mesh=self.mesh, row_chunk=self.row_chunk)
+    logits = self.method.forward(prep, frozen, state.trainable, images)[0]
+    return logits, {"finite": jnp.all(jnp.where(valid[:, None], jnp.isfinite(logits), True))}
 
   def _replicate(self, tree: Any) -> Any:
     """A pytree (the same on every process) put on every device of the mesh. Under `jax.distributed` the mesh
@@ -248,6 +265,18 @@ class Adapter:
                   ) -> tuple[AdaptState, jax.Array, dict[str, jax.Array]]:
     """`step` on a batch already on the devices (`place`), e.g. one batch reused by a throughput benchmark."""
     return self._step(self.frozen, self.consts, state, *placed)
+
+  def predict(self, state: AdaptState, images) -> jax.Array:
+    """The logits of a forward of ``state``'s adapted params on a batch of up to ``batch_size`` images, without
+    adapting (``state`` stays valid: it is not donated)."""
+    n = np.shape(images)[0]
+    logits, _ = self.predict_placed(state, self.place(images))
+    return logits if n == self.padded_batch else logits[:n]
+
+  def predict_placed(self, state: AdaptState, placed: tuple[jax.Array, jax.Array]
+                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`predict` on a batch already on the devices: ``(logits, {'finite': ...})``."""
+    return self._predict(self.frozen, self.consts, state, *placed)
 
   def lower(self, state: AdaptState, placed: tuple[jax.Array, jax.Array]) -> jax.stages.Lowered:
     """The step lowered for these arguments: its program (``.as_text()``) and, compiled, XLA's cost analysis

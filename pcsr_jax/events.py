@@ -108,9 +108,23 @@ class UnitEvents:
 
 
 def write_results(output: str, records: Sequence[dict], domains: Sequence[str], methods: Sequence[str],
-                  table: str) -> None:
-  """A finished table: per method, its accuracy per domain and on average (mean over seeds), and the table."""
+                  table: str, costs: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+  """A finished table: per method, its accuracy per domain and on average (mean over seeds), its cost
+  (``cost/...``: the step's median and 90th-percentile ms, images/s, compile s, peak and step memory in MiB,
+  ``--realtime``'s C; `pcsr_jax.cost`), and the table."""
   for m in methods:
+    c = (costs or {}).get(m)
+    if c:
+      values = {"cost/step_ms_median": 1e3 * c["step_s_median"], "cost/step_ms_p90": 1e3 * c["step_s_p90"],
+                "cost/images_per_s": c["images_per_s"], "cost/compile_s": c["compile_s"]}
+      for k in ("peak_memory_bytes", "step_memory_bytes"):
+        if c.get(k) is not None:
+          values[f"cost/{k.replace('_bytes', '_mib')}"] = c[k] / 2 ** 20
+      if c.get("realtime_c"):
+        values["cost/realtime_c"] = c["realtime_c"]
+      w = _writer(os.path.join(root(output), "costs", m))
+      w.add_event(_scalars(0, values))
+      w.close()
     acc = {}
     for d in domains:
       v = [100 * r["accuracy"] for r in records if r["method"] == m and r["corruption"] == d]

@@ -1,12 +1,14 @@
 """The run loop: the run's units (a method and seed on a domain, or on the whole stream: `units`), one per device
 group at once, each taken from the run's queue, streamed with one compiled step per method and seed, each batch
 decoded ahead of the step and its predictions read one step late (the host never waits on the step it just
-dispatched). A unit's progress is saved every ``checkpoint_every`` batches and on SIGINT/SIGTERM;
-``resume=True`` continues bit-identically on CPU; ``executor='ray'`` runs the units on a Ray cluster's actors
-(`ray_units`). Under `jax.distributed` every process streams the same global batches (`distributed.batches`);
-process 0 alone logs and writes. Around the loop: `config` (the configuration and its checks), `run_setup` (what the units share),
-`progress` (the progress on disk, the resume keys), `runlog` (log and progress lines), `results` (records and
-outputs).
+dispatched). Before any unit, each method's cost is measured (`measure_costs`, `pcsr_jax.cost`); under
+``--realtime`` a method of relative cost C adapts on a domain's batches 0, C, 2C, ... and predicts the others with
+a forward of its latest params (`pcsr_jax.realtime`). A unit's progress is saved every ``checkpoint_every``
+batches and on SIGINT/SIGTERM; ``resume=True`` continues bit-identically on CPU; ``executor='ray'`` runs the units
+on a Ray cluster's actors (`ray_units`). Under `jax.distributed` every process streams the same global batches
+(`distributed.batches`); process 0 alone logs and writes. Around the loop: `config` (the configuration and its
+checks), `run_setup` (what the units share), `progress` (the progress on disk, the resume keys), `runlog` (log and
+progress lines), `results` (records and outputs).
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import time
 from typing import Any, Optional
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pcsr_jax import distributed, engine, events, files, lock, plots, progress, results, runlog, units
+from pcsr_jax import cost, distributed, engine, events, files, lock, plots, progress, realtime, results, runlog, units
 from pcsr_jax.config import RunConfig
 from pcsr_jax.errors import UserError
 from pcsr_jax.progress import UnitProgress, UnitRecord
@@ -60,6 +63,7 @@ def run(cfg: RunConfig, log=print) -> dict:
                            passes=passes)
     try:
       with units.Stop(log) as stop:
+        measure_costs(setup, log)
         if cfg.executor == "ray":
           from pcsr_jax import ray_units
 
@@ -93,10 +97,95 @@ def _executor(setup: Setup, queue: units.Queue, mesh, stop: units.Stop, tracker:
 
 def make_adapter(setup: Setup, unit: units.Unit, mesh) -> engine.Adapter:
   """The adapter (one compiled step) of the unit's method and seed on ``mesh``."""
-  cfg, plan = setup.cfg, setup.plans[unit.method]
+  return _adapter(setup, unit.method, unit.seed, mesh)
+
+
+def _adapter(setup: Setup, method: str, seed: int, mesh) -> engine.Adapter:
+  """The adapter of a method of the run, or of Source where it is only ``--realtime source``'s clock."""
+  from pcsr_jax import methods
+  from pcsr_jax.run_setup import MethodPlan
+
+  cfg = setup.cfg
+  plan = setup.plans[method] if method in setup.plans else MethodPlan(methods.get(method))
   return engine.Adapter(plan.method, setup.model, setup.params, batch_size=cfg.batch_size,
-                        eval_order=cfg.eval_order, seed=unit.seed, source_stats=plan.stats, mesh=mesh,
+                        eval_order=cfg.eval_order if method in setup.plans else None, seed=seed,
+                        source_stats=plan.stats, mesh=mesh,
                         mean=setup.meta["mean"], std=setup.meta["std"], row_chunk=cfg.row_chunk)
+
+
+class _NoStop:
+  requested = False
+
+
+def measure_costs(setup: Setup, log) -> None:
+  """Each method's cost (`cost.probe`), one method after another before any unit runs, on the first device
+  group (a Ray driver: its own devices), on the stream's first batch with a readable image; and under
+  ``--realtime`` its relative cost C (`realtime.relative_cost`, or ``--realtime-cost``'s). Costs saved with the
+  progress are kept (``--resume``: the same C's, so the same schedule). Sets ``setup.costs``."""
+  cfg = setup.cfg
+  saved = cost.load(setup.resume.dir) if cfg.resume else {}
+  costs = {m: saved[m] for m in cfg.methods if m in saved}
+  rate = cfg.realtime
+  need_source = rate == realtime.SOURCE and "_reveal" not in saved
+  todo = [m for m in cfg.methods if m not in costs]
+  if need_source and "source" not in cfg.methods:
+    todo = ["source"] + todo  # the stream's clock: Source's forward, timed though Source is not a row
+  elif need_source:
+    todo = ["source"] + [m for m in todo if m != "source"]
+  mesh = setup.groups[0] if setup.groups else engine.data_mesh(jax.local_devices())
+  reveal = saved.get("_reveal")
+  if rate is not None and rate != realtime.SOURCE and reveal is None:
+    reveal = dict(rate=rate, seconds=realtime.reveal_seconds(rate, cfg.batch_size, None))
+  if todo:
+    log(f"timing {len(todo)} method{'s' if len(todo) > 1 else ''}' steps: compiled, then {cfg.cost_batches} steps "
+        f"each on the stream's first batch")
+  placed = None
+  for m in todo:  # Source first under --realtime source: its forward is the stream's clock
+    adapter = _adapter(setup, m, cfg.seeds[0], mesh)
+    if placed is None:
+      placed = _first_batch(setup, adapter)
+    c = cost.probe(adapter, placed, cfg.cost_batches, predict=rate is not None)
+    del adapter
+    if distributed.is_multiprocess():  # every process must follow process 0's schedule
+      from jax.experimental import multihost_utils
+
+      keys = ("step_s_median", "step_s_p90", "images_per_s", "compile_s")
+      agreed = multihost_utils.broadcast_one_to_all(np.asarray([c[k] for k in keys], np.float64))
+      c.update({k: float(v) for k, v in zip(keys, agreed)})
+    if m == "source" and need_source:
+      reveal = dict(rate=rate, seconds=c["step_s_median"])
+      log(f"--realtime {rate}: the stream reveals a batch every {1e3 * reveal['seconds']:.1f} ms "
+          f"({realtime.describe(rate)})")
+    if m not in cfg.methods:
+      continue
+    if rate is not None:
+      if m in cfg.realtime_cost:
+        c.update(realtime_c=cfg.realtime_cost[m], realtime_c_from="--realtime-cost")
+      else:
+        c.update(realtime_c=realtime.relative_cost(c["step_s_median"], reveal["seconds"]), realtime_c_from="measured")
+    costs[m] = c
+    log(cost.log_lines(m, c))
+  setup.costs = dict(costs, **({"_reveal": reveal} if reveal is not None else {}))
+  if distributed.is_main():
+    cost.save(setup.resume.dir, setup.costs)
+
+
+def _first_batch(setup: Setup, adapter: engine.Adapter) -> tuple:
+  """The stream's first batch with a readable image, placed for ``adapter``'s mesh."""
+  for seg in setup.segments[setup.cfg.seeds[0]]:
+    for _, placed, _ in _batches(setup, adapter, seg, 0, _NoStop()):
+      if placed is not None:
+        return placed
+  raise UserError("no readable image in the stream to time the methods' steps on")
+
+
+def realtime_c(setup: Setup, method: str) -> int:
+  """The method's relative cost C under ``--realtime`` (1 without it): adapts on one batch in C."""
+  if setup.cfg.realtime is None:
+    return 1
+  if method not in setup.costs:  # a Ray actor: the driver measured and saved them before handing out units
+    setup.costs = cost.load(setup.resume.dir)
+  return int(setup.costs[method]["realtime_c"])
 
 
 @dataclasses.dataclass
@@ -113,6 +202,7 @@ class _Unit:
   pending: Any = None  # (predictions, metrics, batch, domain, batch index) of the batch read one step late
   since_save: int = 0
   ready_at: float = dataclasses.field(default_factory=time.perf_counter)  # when the last step's result was read
+  c: int = 1  # --realtime: the method's relative cost (adapts on one batch in c)
   step_s: float = 0.0  # the time between the last two results: a step's, once compiled
   t_seg: float = 0.0  # when the open segment's stepping time since its last save began
 
@@ -136,7 +226,8 @@ def run_unit(setup: Setup, unit: units.Unit, adapter: engine.Adapter, stop: unit
   segments = [setup.segments[unit.seed][i] for i in unit.segments]
   n_batches = [-(-len(s.indices) // cfg.batch_size) for s in segments]
   bar = runlog.Progress(cfg.progress, unit.key, sum(n_batches), sum(n_batches[:up.segment]) + up.batch, log)
-  u = _Unit(unit, rec, up, adapter, state, bar, events.UnitEvents(cfg.output, unit.key, distributed.is_main()))
+  u = _Unit(unit, rec, up, adapter, state, bar, events.UnitEvents(cfg.output, unit.key, distributed.is_main()),
+            c=realtime_c(setup, unit.method))
   last: tuple[str, list] = ("", [])  # the last domain's name and records: its line says the unit is done
   for si in range(up.segment, len(segments)):
     seg = segments[si]
@@ -180,8 +271,16 @@ def _stream_segment(setup: Setup, u: _Unit, seg, stop: units.Stop) -> bool:
       return False
     rec.skipped += [n for n in (f"{seg.name}/{n}" for n in batch.skipped) if n not in rec.skipped]
     up.skipped += len(batch.skipped)
-    if placed is not None:
+    if placed is not None and u.c > 1 and not realtime.adapts(up.batch, u.c):
+      # --realtime: the stream revealed this batch while the method adapted on an earlier one; a forward of the
+      # latest adapted params predicts it, and it is not adapted on (`realtime`'s protocol points).
+      logits, metrics = u.adapter.predict_placed(u.state, placed)
+      metrics = dict(metrics, adapted=False)
+    elif placed is not None:
       u.state, logits, metrics = u.adapter.step_placed(u.state, placed)
+      if u.c > 1:
+        metrics = dict(metrics, adapted=True)
+    if placed is not None:
       preds = predict(logits)  # stays on device; read one step later
       _score(setup, u)
       u.pending = (preds, metrics, batch, seg.name, up.batch)

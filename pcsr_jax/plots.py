@@ -5,7 +5,11 @@
 * ``accuracy_per_corruption.png``: every method's accuracy per domain (bars);
 * ``running_accuracy.png``: one small panel per method (a line per seed), never two methods on one panel:
   Source's running accuracy, then each method's minus Source's (on one y range), or, without Source, each
-  method's running accuracy.
+  method's running accuracy;
+* ``accuracy_vs_cost.png`` (when the run measured its costs, `pcsr_jax.cost`): each method's average accuracy
+  against its step's images/s (log scale) and against its memory, one labelled point per method, Source a star
+  with a dashed line at its accuracy. The memory axis is the compiled step's (XLA's figure for that method), not
+  the process's peak, which only grows from one method to the next.
 
 Every legend sits outside the axes (beside or above the data, never on it), and a figure draws one only where it
 has labelled lines (a run of one method has none: no matplotlib warning).
@@ -21,7 +25,8 @@ import numpy as np
 
 from pcsr_jax.data.imagenet import SHORT_NAMES
 
-PLOTS = ("gain_over_source.png", "accuracy_per_corruption.png", "running_accuracy.png")  # what `plot` writes
+PLOTS = ("gain_over_source.png", "accuracy_per_corruption.png", "running_accuracy.png",
+         "accuracy_vs_cost.png")  # what `plot` writes
 
 
 def accuracy(records: Sequence[dict], method: str, domains: Sequence[str]) -> np.ndarray:
@@ -66,8 +71,9 @@ def _legend_right(fig, ax, ncol: int = 1) -> None:
 
 
 def figures(records: Sequence[dict], curves: dict[str, Any], domains: Sequence[str],
-            methods: Sequence[str]) -> dict[str, Any]:
-  """``{file name: matplotlib Figure}`` of `PLOTS` (gain over Source only when Source ran beside others)."""
+            methods: Sequence[str], costs: dict | None = None) -> dict[str, Any]:
+  """``{file name: matplotlib Figure}`` of `PLOTS` (gain over Source only when Source ran beside others; accuracy
+  against cost only with ``costs``)."""
   import matplotlib
 
   matplotlib.use("Agg")
@@ -105,7 +111,65 @@ def figures(records: Sequence[dict], curves: dict[str, Any], domains: Sequence[s
   out[PLOTS[1]] = fig
 
   out[PLOTS[2]] = _running_panels(plt, curves, methods)
+  if costs and any(m in costs for m in methods):
+    out[PLOTS[3]] = _cost_panels(plt, records, domains, [m for m in methods if m in costs], costs)
   return out
+
+
+def _cost_panels(plt, records: Sequence[dict], domains: Sequence[str], methods: Sequence[str], costs: dict):
+  """Average accuracy against images/s (log x) and against the compiled step's memory (MiB), a labelled point
+  per method; Source a black star and a dashed line at its accuracy."""
+  acc = {m: float(np.nanmean(accuracy(records, m, domains))) for m in methods}
+  mem = {m: costs[m].get("step_memory_bytes") or costs[m].get("peak_memory_bytes") for m in methods}
+  per_step = all(costs[m].get("step_memory_bytes") for m in methods)
+  fig, axes = plt.subplots(1, 2, figsize=(13 if len(methods) > 10 else 10, 5.2), layout="constrained")
+  for ax, x, label, log in ((axes[0], {m: costs[m]["images_per_s"] for m in methods}, "images/s of the step "
+                             "(log scale)", True),
+                            (axes[1], {m: (mem[m] or 0) / 2 ** 20 for m in methods},
+                             "memory of the compiled step (MiB, XLA)" if per_step else "peak memory (MiB)", False)):
+    for i, m in enumerate(methods):
+      src = m == "source"
+      ax.scatter(x[m], acc[m], s=110 if src else 28, marker="*" if src else "o", zorder=3,
+                 color="k" if src else _color(i), edgecolors="none")
+    if "source" in acc:
+      ax.axhline(acc["source"], color="k", lw=0.8, ls="--", zorder=1)
+    if log:
+      ax.set_xscale("log")
+    ax.margins(x=0.15, y=0.08)
+    _label_points(ax, [(x[m], acc[m], m) for m in methods])
+    ax.set_xlabel(label)
+    ax.set_ylabel("average accuracy (%)")
+    ax.grid(alpha=0.3, which="both")
+  fig.suptitle("accuracy against cost (Source: star, dashed line)", fontsize=10)
+  return fig
+
+
+def _label_points(ax, points: Sequence[tuple[float, float, str]]) -> None:
+  """Each point's name to its right; a name that would overlap one placed before it (from the top point down) is
+  moved down in steps until it overlaps none, with a thin line back to its point, so that 28 methods stay
+  readable."""
+  fig = ax.figure
+  renderer = fig.canvas.get_renderer()
+  px_to_pt = 72.0 / fig.dpi
+  placed = []
+  order = sorted(range(len(points)), key=lambda k: -ax.transData.transform(points[k][:2])[1])
+  for k in order:
+    x, y, name = points[k]
+    text = ax.annotate(name, (x, y), xytext=(5, 0), textcoords="offset points", fontsize=7, va="center",
+                       ha="left", annotation_clip=False)
+    dy = 0.0
+    for _ in range(200):
+      box = text.get_window_extent(renderer)
+      hit = next((b for b in placed if box.x0 < b.x1 and b.x0 < box.x1 and box.y0 < b.y1 and b.y0 < box.y1), None)
+      if hit is None:
+        break
+      dy -= (box.y1 - hit.y0 + 1.0) * px_to_pt
+      text.set_position((5, dy))
+    if dy:
+      text.arrow_patch = None
+      ax.annotate("", (x, y), xytext=(5, dy), textcoords="offset points", annotation_clip=False,
+                  arrowprops=dict(arrowstyle="-", lw=0.4, color="0.6", shrinkA=0, shrinkB=2))
+    placed.append(text.get_window_extent(renderer))
 
 
 def _running_panels(plt, curves: dict[str, Any], methods: Sequence[str]):
@@ -162,12 +226,12 @@ def _running_panels(plt, curves: dict[str, Any], methods: Sequence[str]):
 
 
 def plot(out_dir: str, records: Sequence[dict], curves: dict[str, Any], domains: Sequence[str],
-         methods: Sequence[str]) -> list[str]:
+         methods: Sequence[str], costs: dict | None = None) -> list[str]:
   """Writes `figures` into ``out_dir``; returns their paths."""
   import matplotlib.pyplot as plt
 
   paths = []
-  for name, fig in figures(records, curves, domains, methods).items():
+  for name, fig in figures(records, curves, domains, methods, costs).items():
     paths.append(os.path.join(out_dir, name))
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)

@@ -11,12 +11,12 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from pcsr_jax import distributed, events, files, plots
+from pcsr_jax import cost, distributed, events, files, plots
 from pcsr_jax.data.imagenet import SHORT_NAMES
 from pcsr_jax.errors import UserError
 
 FIELDS = ("method", "setting", "corruption", "severity", "seed", "eval_order", "accuracy", "num_samples",
-          "num_skipped", "seconds", "resets")
+          "num_skipped", "seconds", "resets") + tuple(f for f in cost.FIELDS if f not in ("adapted_batches", "batches"))
 
 
 def write_json(path: str, records: Sequence[dict], config: dict, extra: dict | None = None,
@@ -94,9 +94,15 @@ def caption(records: Sequence[dict], cfg: Any) -> str:
   per = "domain (per segment)" if cfg.setting == "gradual" else "domain"
   over = (f"mean ± std over seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else
           f"one seed ({seeds[0]}), no std" if seeds else "no seed")
+  clock = ""
+  if getattr(cfg, "realtime", None) is not None:
+    from pcsr_jax import realtime
+
+    clock = (f"; under --realtime {cfg.realtime} (the stream reveals {realtime.describe(cfg.realtime)}: a method "
+             f"of relative cost C adapts on one batch in C, the cost table's C)")
   return (f"Online accuracy (%) of each method on each domain and their average ({stream}setting "
           f"{cfg.setting}), {over}; {count} image{'' if images == [1] else 's'} per {per}; {cfg.dataset}, "
-          f"checkpoint {cfg.checkpoint}.\n\n")
+          f"checkpoint {cfg.checkpoint}{clock}.\n\n")
 
 
 _PREDICTIONS = re.compile(r"_.+_(\d+(\.\d+)?|None)_seed\d+\.npz$")  # `predictions_file`'s names after the method's
@@ -177,6 +183,27 @@ def finish(setup: Any, log) -> dict:
   return write_outputs(setup, prog.merge([r for r in recs if r is not None]), log)
 
 
+def run_costs(setup: Any) -> dict:
+  """The run's costs per method (`cost`; ``setup.costs``, or those saved with the progress), with, under
+  ``--realtime``, the batches each method adapted on of all its batches (every seed and domain), as its C
+  schedules them (`realtime.adapted_batches` per domain)."""
+  from pcsr_jax import realtime
+
+  saved = getattr(setup, "costs", None) or cost.load(setup.resume.dir)
+  out = {}
+  for m in setup.cfg.methods:
+    if m not in saved:
+      continue
+    c = dict(saved[m])
+    if c.get("realtime_c"):
+      n = [-(-len(seg.indices) // setup.cfg.batch_size) for s in setup.cfg.seeds for seg in setup.segments[s]]
+      c.update(batches=sum(n), adapted_batches=sum(realtime.adapted_batches(k, c["realtime_c"]) for k in n))
+    out[m] = c
+  if "_reveal" in saved:
+    out["_reveal"] = saved["_reveal"]
+  return out
+
+
 def write_outputs(setup: Any, progress: Any, log) -> dict:
   """A finished run's outputs from its units' merged progress (`progress.merge`): results.json, results.csv,
   table.md (with its caption) and the plots, by process 0; nothing claims completion unless every planned
@@ -186,6 +213,7 @@ def write_outputs(setup: Any, progress: Any, log) -> dict:
   from pcsr_jax import methods
 
   cfg = setup.cfg
+  costs = run_costs(setup)  # results.json's ``costs``; results.csv's rows carry their method's (`cost.with_costs`)
   records = progress.records
   have = {(r["method"], r["seed"], r.get("domain", r["corruption"])) for r in records}
   missing = [(m, s, d) for s in cfg.seeds for m in cfg.methods for d in setup.names if (m, s, d) not in have]
@@ -196,27 +224,32 @@ def write_outputs(setup: Any, progress: Any, log) -> dict:
                     f"{len(missing)} of {len(cfg.seeds) * len(cfg.methods) * len(setup.names)} planned results "
                     f"missing): nothing written")
   tbl = table(records, setup.columns(), cfg.methods)
+  cost_tbl = cost.table(costs, cfg.methods)
   out = dict(complete=True, records=records, curves=progress.curves, skipped=progress.skipped, table=tbl,
-             decode_images_per_s=setup.decode_ips, throughput=progress.throughput)
+             decode_images_per_s=setup.decode_ips, throughput=progress.throughput, costs=costs,
+             cost_table=cost_tbl)
   if not distributed.is_main():  # one set of outputs: process 0's
     return out
   kernels = dict(platform=setup.platform, attention=setup.model.attention,
                  cpu_backward=setup.model.cpu_ops)  # what --attention auto and the platform chose
   extra = dict(versions=versions(), method_classes={m: methods.origin(m) for m in cfg.methods}, kernels=kernels,
                skipped=progress.skipped, decode_images_per_s=setup.decode_ips,
-               throughput=progress.throughput, curves=progress.curves)
+               throughput=progress.throughput, costs=costs, curves=progress.curves)
   if distributed.is_multiprocess():
     extra["processes"] = jax.process_count()
   if setup.ccc is not None:
     extra["ccc"] = setup.ccc
   write_json(os.path.join(cfg.output, "results.json"), records, setup.config_json, extra)
-  write_csv(os.path.join(cfg.output, "results.csv"), records)
+  write_csv(os.path.join(cfg.output, "results.csv"), cost.with_costs(records, costs))
+  both = caption(records, cfg) + tbl + (f"\n{cost_tbl}" if cost_tbl else "")
   with open(os.path.join(cfg.output, "table.md"), "w") as f:
-    f.write(caption(records, cfg) + tbl)
-  events.write_results(cfg.output, records, setup.columns(), cfg.methods, caption(records, cfg) + tbl)
-  drawn = plots.plot(cfg.output, records, progress.curves, setup.columns(), cfg.methods)
+    f.write(both)
+  events.write_results(cfg.output, records, setup.columns(), cfg.methods, both, costs)
+  drawn = plots.plot(cfg.output, records, progress.curves, setup.columns(), cfg.methods, costs)
   setup.resume.clear()
   log(tbl)
+  if cost_tbl:
+    log(cost_tbl)
   if setup.spec.open_set:  # VisDA-2021: the papers count every sample; the official metric known classes only
     for m in cfg.methods:
       recs = [r for r in records if r["method"] == m]

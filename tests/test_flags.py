@@ -88,6 +88,12 @@ def cases(world, command: str, mode: str) -> list[tuple[list[str], object]]:
       (["--executor", "ray", "--ray-timeout", "45"], {"ray_timeout": 45.0}),
       (["--executor", "ray", "--ray-timeout", "0"], r"^--ray-timeout: expected a positive number of seconds, got 0"),
       (["--ray-timeout", "45"], r"^--ray-timeout: for --executor ray"),
+      (["--realtime", "source"], {"realtime": "source", "realtime_cost": {}}),
+      (["--realtime", "250"], {"realtime": 250.0}),
+      (["--realtime", "0"], r"^--realtime: expected 'source' or a positive number of images per second, got '0'$"),
+      (["--realtime-cost", "pcsr=2"], r"^--realtime-cost: fixes the costs of --realtime's protocol; give --realtime"),
+      (["--cost-batches", "3"], {"cost_batches": 3}),
+      (["--cost-batches", "0"], r"^--cost-batches: expected a positive integer, got 0$"),
       (["--ccc-speed", "0"], r"^--ccc-speed: expected a positive integer"),  # checked whatever the setting
       (["--ccc-length", str(10 ** 12)], r"^--ccc-length: expected a positive integer up to"),
       (["--ccc-target", "40"], r"^--ccc-target: for --setting ccc"),
@@ -113,7 +119,11 @@ def cases(world, command: str, mode: str) -> list[tuple[list[str], object]]:
           (["--methods", "eata", "--source-data", "fmnist-train"], {"source_data": "fmnist-train"}),
           (["--methods", "eata", "--source-data", "fmnist-train", "--source-images", "64"], {"source_images": 64}),
           (["--methods", "tent", "--source-data", "fmnist-train"], r"^--source-data: none of the methods \(tent\)"),
-          (["--methods", "tent", "--source-images", "64"], r"^--source-images: none of the methods \(tent\)")]
+          (["--methods", "tent", "--source-images", "64"], r"^--source-images: none of the methods \(tent\)"),
+          (["--methods", "source,tent", "--realtime", "source", "--realtime-cost", "tent=3"],
+           {"realtime_cost": {"tent": 3}}),
+          (["--methods", "tent", "--realtime", "source", "--realtime-cost", "sar=3"],
+           r"^--realtime-cost: sar is not among the methods run \(tent\)$")]
   else:
     c += [(["--methods", "tent"], r"^--methods: set by ablations.py for each of its runs"),
           (["--source-data", "fmnist-train"], r"^--source-data: none of the methods \(pcsr\)"),

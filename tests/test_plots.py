@@ -60,7 +60,8 @@ def test_plots_are_written_without_warnings_and_with_legends_off_the_data(tmp_pa
     assert [len(ax.lines) for ax in panels] == [len(seeds) + (relative and m != "source") for m in methods]
     paths = plots.plot(str(tmp_path), records, curves, CORRUPTIONS, methods)
   assert not [str(w.message) for w in caught], [str(w.message) for w in caught]
-  want = plots.PLOTS[1:] if len(methods) == 1 else plots.PLOTS  # gain over Source: only beside Source
+  want = [p for p in plots.PLOTS if p != "accuracy_vs_cost.png"]  # without costs: no cost plot
+  want = want[1:] if len(methods) == 1 else want  # gain over Source: only beside Source
   assert sorted(p.rsplit("/", 1)[1] for p in paths) == sorted(want)
   for p in paths:
     with open(p, "rb") as f:
@@ -69,3 +70,42 @@ def test_plots_are_written_without_warnings_and_with_legends_off_the_data(tmp_pa
     gain = figs["gain_over_source.png"].axes[1]  # along the stream: each method minus Source, so tent's 1 point
     tent = next(line for line in gain.lines if line.get_label() == "tent")
     assert 0.0 < float(np.mean(tent.get_ydata())) < 3.0
+
+
+def _costs(methods) -> dict:
+  """Made-up costs (`pcsr_jax.cost`'s fields): images/s over three decades, memory over one."""
+  rng = np.random.default_rng(1)
+  return {m: dict(images_per_s=float(10 ** rng.uniform(0.5, 3.5)), step_memory_bytes=int(rng.uniform(1, 40) * 2 ** 20),
+                  peak_memory_bytes=int(1e9), step_s_median=0.1, step_s_p90=0.12, compile_s=1.0)
+          for m in methods}
+
+
+@pytest.mark.parametrize("n", [5, 28])
+def test_accuracy_against_cost_one_labelled_point_per_method_source_marked(tmp_path, n):
+  """``accuracy_vs_cost.png``: two panels (images/s on a log axis, memory), a point and a name per method, Source
+  a star; with 28 methods no two names overlap."""
+  import matplotlib.pyplot as plt
+
+  from pcsr_jax import methods as registry
+
+  plt.close("all")  # the figures of the tests before (matplotlib warns past 20 open)
+  names = ("source",) + tuple(m for m in registry.REGISTRY if m != "source")[:n - 1]
+  records, curves = _run(names)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    figs = plots.figures(records, curves, CORRUPTIONS, names, _costs(names))
+    fig = figs["accuracy_vs_cost.png"]
+    fig.canvas.draw()
+    paths = plots.plot(str(tmp_path), records, curves, CORRUPTIONS, names, _costs(names))
+  assert not [str(w.message) for w in caught]
+  assert "accuracy_vs_cost.png" in [p.rsplit("/", 1)[1] for p in paths]
+  speed, memory = fig.axes[:2]
+  assert speed.get_xscale() == "log" and memory.get_xscale() == "linear"
+  for ax in (speed, memory):
+    labels = [t for t in ax.texts if t.get_text() in names]
+    assert sorted(t.get_text() for t in labels) == sorted(names)
+    assert len(ax.collections) == n  # one point per method
+    star = [c for c in ax.collections if np.allclose(c.get_facecolor()[0][:3], 0)]
+    assert len(star) == 1  # Source, in black
+    boxes = [t.get_window_extent() for t in labels]
+    assert not any(_overlaps(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:]), "two names overlap"

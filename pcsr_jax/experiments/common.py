@@ -85,6 +85,14 @@ def parser(prog: str, description: str, presets: dict) -> ArgumentParser:
   p.add_argument("--row-chunk", type=int, help="run every forward of the model in passes of N rows (a divisor of "
                  "the batch size): on a CPU, 16 at batch 64 keeps the activations in the caches (faster; float32 "
                  "rounding differs from one pass)")
+  g = p.add_argument_group("the realistic online protocol and each method's cost (docs/paper_tables.md)")
+  g.add_argument("--realtime", help="the stream reveals its batches at a constant speed: 'source' (one batch per "
+                 "Source forward on this device, Alfarra et al. ICML 2024) or N images per second; a method of "
+                 "relative cost C adapts on one batch in C and predicts the others with its latest parameters")
+  g.add_argument("--realtime-cost", help="METHOD=C,...: fix these methods' relative costs instead of measuring "
+                 "them (reproducible on other hardware)")
+  g.add_argument("--cost-batches", type=int, help="timed steps per method after compilation, for the cost table "
+                 "and --realtime's C (default 5)")
   g = p.add_argument_group("a table on many devices and workers (docs/harness.md)")
   g.add_argument("--devices-per-unit", type=int, help="devices per unit of work (a method and seed on a domain, "
                  "or on the whole stream): one unit per group of local devices at once (default: 1 on a GPU/TPU "
@@ -122,6 +130,11 @@ def check_flags(a) -> None:
   if getattr(a, "seeds", None) is not None:
     parse_seeds(a.seeds)
   parse_method_args(getattr(a, "method_args", None))
+  from pcsr_jax import realtime  # no jax: a bad --realtime or --realtime-cost is one line at once
+
+  rate = realtime.parse_rate(getattr(a, "realtime", None))
+  if realtime.parse_costs(getattr(a, "realtime_cost", None)) and rate is None:
+    raise UserError("--realtime-cost: fixes the costs of --realtime's protocol; give --realtime too")
 
 
 def start_devices(a) -> None:
@@ -175,6 +188,10 @@ def config_fields(given: dict) -> dict:
       v = parse_seeds(v)
     elif dest == "method_args":
       v = parse_method_args(v)
+    elif dest == "realtime_cost":
+      from pcsr_jax import realtime
+
+      v = realtime.parse_costs(v)
     elif dest in ("no_shuffle", "no_progress"):
       v = False
     kw[FIELD.get(dest, dest)] = v
