@@ -1,7 +1,8 @@
-"""What a method costs on the device a table runs on: its step's seconds per batch after compilation (median and
-90th percentile), images/s, compile time and memory, measured once per method before its units run (`probe`),
-and, under ``--realtime``, its relative cost C (`pcsr_jax.realtime`). Every run records them: results.json
-(``costs``), each record of results.csv, the cost table in table.md (`table`), the log and TensorBoard.
+"""What a method costs on the device a table runs on: its step's seconds per batch after compilation (median and 90th
+percentile), images/s, compile time and memory, measured once per method (`probe`): on its first adapter, whose
+compile it times and which its units then use (a Ray actor's on that actor's devices), or under ``--realtime`` for
+every method before any unit runs, with its relative cost C (`pcsr_jax.realtime`). Every run records them:
+results.json (``costs``), each record of results.csv, the cost table in table.md (`table`), the log and TensorBoard.
 
 * **Time.** The step's first call (trace, compile, one step) is timed, then ``cost_batches`` more steps on the
   same batch, each waited for (`jax.block_until_ready`): ``compile_s`` is the first call less the median step.

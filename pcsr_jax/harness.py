@@ -1,9 +1,10 @@
 """The run loop: the run's units (a method and seed on a domain, or on the whole stream: `units`), one per device
 group at once, each taken from the run's queue, streamed with one compiled step per method and seed, each batch
 decoded ahead of the step and its predictions read one step late (the host never waits on the step it just
-dispatched). Before any unit, each method's cost is measured (`measure_costs`, `pcsr_jax.cost`); under
-``--realtime`` a method of relative cost C adapts on a domain's batches 0, C, 2C, ... and predicts the others with
-a forward of its latest params (`pcsr_jax.realtime`). A unit's progress is saved every ``checkpoint_every``
+dispatched). Each method's cost is measured on its first adapter, before its first unit (`probe_once`,
+`pcsr_jax.cost`); under ``--realtime`` every method's before any unit (`measure_costs`), and a method of relative
+cost C adapts on a domain's batches 0, C, 2C, ... and predicts the others with a forward of its latest params
+(`pcsr_jax.realtime`). A unit's progress is saved every ``checkpoint_every``
 batches and on SIGINT/SIGTERM; ``resume=True`` continues bit-identically on CPU; ``executor='ray'`` runs the units
 on a Ray cluster's actors (`ray_units`). Under `jax.distributed` every process streams the same global batches
 (`distributed.batches`); process 0 alone logs and writes. Around the loop: `config` (the configuration and its
@@ -17,6 +18,7 @@ import contextlib
 import dataclasses
 import functools
 import sys
+import threading
 import time
 from typing import Any, Optional
 
@@ -63,11 +65,15 @@ def run(cfg: RunConfig, log=print) -> dict:
                            passes=passes)
     try:
       with units.Stop(log) as stop:
-        measure_costs(setup, log)
+        if cfg.realtime is not None:  # each method's C before any unit: the schedule depends on it
+          measure_costs(setup, log)
+        else:  # measured on each method's first adapter, which its units then use (`probe_once`)
+          setup.costs = cost.load(setup.resume.dir) if cfg.resume else {}
         if cfg.executor == "ray":
           from pcsr_jax import ray_units
 
-          finished = ray_units.execute(setup, queue, tracker, stop, log, run_unit, make_adapter)
+          finished = ray_units.execute(setup, queue, tracker, stop, log, run_unit, make_adapter, probe_once,
+                                       record_cost)
         else:
           executors = [functools.partial(_executor, setup, queue, mesh, stop, tracker, log) for mesh in setup.groups]
           finished = units.execute(executors, stop)
@@ -87,6 +93,9 @@ def _executor(setup: Setup, queue: units.Queue, mesh, stop: units.Stop, tracker:
     if (unit.method, unit.seed) != last:
       adapter = make_adapter(setup, unit, mesh)
       last = (unit.method, unit.seed)
+      c = probe_once(setup, unit.method, adapter)
+      if c is not None:
+        record_cost(setup, unit.method, c, log)
     tracker.start(unit)
     done = run_unit(setup, unit, adapter, stop, tracker, log) is not None
     queue.finish(unit, done)
@@ -115,6 +124,32 @@ def _adapter(setup: Setup, method: str, seed: int, mesh) -> engine.Adapter:
 
 class _NoStop:
   requested = False
+
+
+_PROBING = threading.Lock()  # device groups in threads take a method's probe once between them
+
+
+def probe_once(setup: Setup, method: str, adapter: engine.Adapter) -> Optional[dict]:
+  """Without ``--realtime``: the method's cost (`cost.probe`) on its first adapter, whose compile it times and
+  which its units then use (no second compile), unless measured already (by another device group, an actor, or
+  before a ``--resume``); None then. Its steps run on the stream's first batch from the source state, which the
+  units' own states never see."""
+  with _PROBING:
+    if method in setup.costs or method in setup.probing:
+      return None
+    setup.probing.add(method)
+  return cost.probe(adapter, _first_batch(setup, adapter), setup.cfg.cost_batches)
+
+
+def record_cost(setup: Setup, method: str, c: dict, log) -> None:
+  """A method's measured cost into the run's costs (saved with the progress) and the log."""
+  with _PROBING:
+    if method in setup.costs:
+      return
+    setup.costs[method] = c
+    if distributed.is_main():
+      cost.save(setup.resume.dir, setup.costs)
+  log(cost.log_lines(method, c))
 
 
 def measure_costs(setup: Setup, log) -> None:

@@ -49,12 +49,13 @@ class UnitRunner:
   second thread of the actor takes `request_stop`."""
 
   def __init__(self, cfg: Any, extra_methods: dict, paths: list, run_unit: Callable, make_adapter: Callable,
-               fence: Optional[lock.Fence] = None):
+               probe_once: Callable, fence: Optional[lock.Fence] = None):
     for p in paths:  # where the driver found the --methods module:Class files
       if p not in sys.path:
         sys.path.append(p)
     self.cfg, self.extra_methods = cfg, extra_methods
-    self.run_unit, self.make_adapter = run_unit, make_adapter  # `harness`'s, passed in: no import circle
+    # `harness`'s, passed in: no import circle
+    self.run_unit, self.make_adapter, self.probe_once = run_unit, make_adapter, probe_once
     self.setup: Any = None
     self.stop = _ActorStop()
     self.adapter: Any = None
@@ -82,9 +83,15 @@ class UnitRunner:
     """Runs the unit ``key`` from its saved progress; what the driver's progress lines need of it."""
     self.start()
     unit = next(u for u in self.setup.units if u.key == key)
+    measured = None  # the method's cost on this actor's devices, if the driver has none yet
     if (unit.method, unit.seed) != self.last:
       self.adapter = self.make_adapter(self.setup, unit, self.setup.groups[0])
       self.last = (unit.method, unit.seed)
+      if self.cfg.realtime is None:
+        from pcsr_jax import cost
+
+        self.setup.costs.update(cost.load(self.setup.resume.dir))  # what the driver has recorded so far
+        measured = self.probe_once(self.setup, unit.method, self.adapter)
     self.stop.requested = False
     lines: list[str] = []  # what the unit says (a resume on other devices): the driver logs it
     try:
@@ -96,11 +103,11 @@ class UnitRunner:
       ray.actor.exit_actor()
     rec = self.setup.finished.pop(key, None)
     if last is None or rec is None:
-      return dict(done=False, lines=lines)
+      return dict(done=False, lines=lines, cost=measured)
     n = sum(r["num_samples"] for r in rec.records)
     correct = sum(round(r["accuracy"] * r["num_samples"]) for r in rec.records)
     return dict(done=True, seen=n, correct=correct, total_seconds=rec.throughput["seconds"], domain=last[0],
-                records=last[1], lines=lines)
+                records=last[1], lines=lines, cost=measured)
 
   def request_stop(self) -> None:
     self.stop.requested = True
@@ -122,9 +129,11 @@ class _Done:
 
 
 def execute(setup: Any, queue: units.Queue, tracker: runlog.Units, stop: Any, log, run_unit: Callable,
-            make_adapter: Callable) -> bool:
+            make_adapter: Callable, probe_once: Callable, record_cost: Callable) -> bool:
   """Runs the queue's units on the cluster's actors (each runs a unit with ``run_unit`` on the adapter
-  ``make_adapter`` gives: `harness`'s); False when stopped (every unit's progress saved)."""
+  ``make_adapter`` gives, a method's cost measured on its first adapter with ``probe_once``: `harness`'s); the
+  driver records the costs the actors measured (``record_cost``). False when stopped (every unit's progress
+  saved)."""
   cfg = setup.cfg
   ray = ray_cluster.require_ray(cfg.ray_address, timeout_s=cfg.ray_timeout)
   left = queue.left()
@@ -147,8 +156,8 @@ def execute(setup: Any, queue: units.Queue, tracker: runlog.Units, stop: Any, lo
     worker_cfg = dataclasses.replace(cfg, progress=False)
     runner = ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=2)(UnitRunner)
     actors = [runner.options(**opts).remote(worker_cfg, extra, [os.getcwd()] + sys.path, run_unit, make_adapter,
-                                            fence) for _ in range(n)]
-    return _drive(ray, actors, queue, tracker, stop, log, fence)
+                                            probe_once, fence) for _ in range(n)]
+    return _drive(ray, actors, queue, tracker, stop, log, fence, lambda m, c: record_cost(setup, m, c, log))
   finally:
     for a in actors:
       ray.kill(a, no_restart=True)
@@ -156,7 +165,7 @@ def execute(setup: Any, queue: units.Queue, tracker: runlog.Units, stop: Any, lo
 
 
 def _drive(ray, actors: list, queue: units.Queue, tracker: runlog.Units, stop: Any, log,
-           fence: Optional[lock.Fence] = None) -> bool:
+           fence: Optional[lock.Fence] = None, on_cost: Callable = lambda m, c: None) -> bool:
   """The driver's loop: an actor that is up gets the next unit (its last method and seed's first); a finished
   unit is recorded; a lost one goes out again, and its actor is waited for until Ray has restarted it (unless
   the driver's own hold on --output is gone: its lock file removed or replaced, which fences every actor)."""
@@ -215,6 +224,8 @@ def _drive(ray, actors: list, queue: units.Queue, tracker: runlog.Units, stop: A
       raise
     for line in (out.get("lines", []) if unit is not None else []):
       log(f"{where[i]}: {line}")
+    if unit is not None and out.get("cost"):
+      on_cost(unit.method, out["cost"])
     if unit is None:
       if not where[i]:
         log(f"Ray actor {i} up on {out}")

@@ -67,6 +67,7 @@ class Setup:
   groups: list = dataclasses.field(default_factory=list)  # one device mesh per group that runs a unit at once
   platform: str = "cpu"  # the run's devices' (`platforms.of_devices`): what --attention auto chose for
   costs: dict = dataclasses.field(default_factory=dict)  # method -> its cost fields (`cost`), and --realtime's C
+  probing: set = dataclasses.field(default_factory=set)  # methods whose cost a device group is measuring
 
   def columns(self) -> list[str]:
     """The table's and plots' columns: the domains, or for the gradual setting the corruptions (each the mean

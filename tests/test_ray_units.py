@@ -92,6 +92,8 @@ def test_a_table_on_two_ray_nodes_equals_one_process(sequential, cluster, tmp_pa
   assert len(unit_lines(r.stdout)) == 4 and "units 4 of 4 done" in r.stdout
   same_tables(sequential, out)
   assert not (out / "resume").exists() and os.listdir(out / "jax_cache")  # the actors' compiles, for a restart
+  costs = json.loads((out / "results.json").read_text())["costs"]  # measured by the actors, recorded by the driver
+  assert set(costs) == {"source", "tent"} and all(c["step_s_median"] > 0 for c in costs.values()), costs
 
 
 @pytest.mark.slow
