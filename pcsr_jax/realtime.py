@@ -13,7 +13,7 @@ decides, and so do we:
 * **The relative cost.** ``C = max(1, ceil(t_adapt / t_reveal))``, as `utils/online_eval.py:30-31` sets
   ``delay = max(0, ceil(ratio * eta) - 1)`` batches to skip after an adapted one (``C = delay + 1``). The code
   times every adapted batch on the fly, first call included (lines 11-16); we time the step once per method,
-  after compilation, the median over ``--realtime-batches`` steps (`cost.probe`; its
+  after compilation, the median over ``--cost-batches`` steps (`cost.probe`; its
   `utils/compute_average_complexity.py:24-33` also takes a median over runs), and keep that C for the whole run:
   a run is then a function of its C's, which results.json records and ``--realtime-cost`` can fix.
 * **What a skipped batch gets.** A forward of the method's latest adapted parameters, no adaptation: the code
@@ -40,7 +40,6 @@ from typing import Optional, Union
 from pcsr_jax.errors import UserError
 
 SOURCE = "source"
-DEFAULT_BATCHES = 10  # --realtime-batches: the timed steps per method after compilation
 
 
 def parse_rate(text: Optional[str]) -> Union[None, str, float]:
