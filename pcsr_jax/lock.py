@@ -141,38 +141,38 @@ def hold(output: str, command: str = "") -> Iterator[None]:
 
 def _take(fd: int, output: str, path: str) -> None:
   """The exclusive lock on ``fd``, tried for `TAKE_S` before a held folder is refused in one line."""
-  deadline = time.monotonic() + TAKE_S
-  while True:
-    try:
-      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-      return
-    except BlockingIOError:
-      if time.monotonic() >= deadline:
-        raise UserError(f"--output {output}: in use by the run {holder(output)}; wait for it to end, or give "
-                        f"another --output") from None
-      time.sleep(0.05)
-    except OSError as e:  # a filesystem without locks: say so rather than run unguarded
-      raise UserError(f"--output {output}: cannot lock {path} ({e.strerror}); put --output on a filesystem "
-                      f"with locks") from None
+  if not _lock_within(fd, TAKE_S, output, path):
+    raise UserError(f"--output {output}: in use by the run {holder(output)}; wait for it to end, or give another "
+                    f"--output")
 
 
 def _drain_writers(output: str) -> None:
   """Waits for the writes of an earlier holder's actors that passed their check (they hold ``.lock.writers``
   shared while they write): after this, each sees the new generation and is refused."""
-  fd = _open(os.path.join(output, WRITERS_FILE), "writers' lock file", output)
-  deadline = time.monotonic() + DRAIN_S
+  path = os.path.join(output, WRITERS_FILE)
+  fd = _open(path, "writers' lock file", output)
   try:
-    while True:
-      try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return
-      except BlockingIOError:
-        if time.monotonic() >= deadline:
-          raise UserError(f"--output {output}: a Ray actor of an earlier run is still writing there (it holds "
-                          f"{WRITERS_FILE} after {DRAIN_S:.0f} s); stop that run's Ray actors, then rerun") from None
-        time.sleep(0.05)
+    if not _lock_within(fd, DRAIN_S, output, path):
+      raise UserError(f"--output {output}: a Ray actor of an earlier run is still writing there (it holds "
+                      f"{WRITERS_FILE} after {DRAIN_S:.0f} s); stop that run's Ray actors, then rerun")
   finally:
     os.close(fd)
+
+
+def _lock_within(fd: int, seconds: float, output: str, path: str) -> bool:
+  """Whether the exclusive ``flock`` on ``fd`` was had within ``seconds`` (the holder is still there if not)."""
+  deadline = time.monotonic() + seconds
+  while True:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      return True
+    except BlockingIOError:
+      if time.monotonic() >= deadline:
+        return False
+      time.sleep(0.05)
+    except OSError as e:  # a filesystem without locks: say so rather than run unguarded
+      raise UserError(f"--output {output}: cannot lock {path} ({e.strerror}); put --output on a filesystem "
+                      f"with locks") from None
 
 
 class Fence:

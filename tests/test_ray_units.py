@@ -118,16 +118,27 @@ def test_a_node_removed_mid_unit_leaves_the_table_the_same(sequential, cluster, 
   same_tables(sequential, out)
 
 
-@pytest.mark.slow
-def test_a_stopped_driver_rerun_with_resume_finishes_the_same_table(sequential, cluster, tmp_path):
-  """SIGTERM: each actor saves its unit at its next batch and the run exits 130 saying so; ``--resume`` finishes
-  the same table (a killed driver: `test_a_killed_drivers_actors_write_nothing_after_its_death`)."""
+def under_way_on_one_node(cluster, out) -> tuple[list, subprocess.Popen]:
+  """The table's command on a node of one CPU added to ``cluster`` (its args and process), once a unit is under
+  way; the caller stops it."""
   cluster.add_node(num_cpus=1)
-  out = tmp_path / "stopped"
   args = [*ARGS, "--executor", "ray", "--ray-address", cluster.address, "--output", str(out)]
   p = start(*args)
   try:
     wait_under_way(out, p)
+  except BaseException:
+    p.kill()
+    raise
+  return args, p
+
+
+@pytest.mark.slow
+def test_a_stopped_driver_rerun_with_resume_finishes_the_same_table(sequential, cluster, tmp_path):
+  """SIGTERM: each actor saves its unit at its next batch and the run exits 130 saying so; ``--resume`` finishes
+  the same table (a killed driver: `test_a_killed_drivers_actors_write_nothing_after_its_death`)."""
+  out = tmp_path / "stopped"
+  args, p = under_way_on_one_node(cluster, out)
+  try:
     p.send_signal(signal.SIGTERM)
     stdout, _ = p.communicate(timeout=300)
   finally:
@@ -164,12 +175,9 @@ def test_a_killed_drivers_actors_write_nothing_after_its_death(sequential, clust
   first one's death until the second holds --output, no unit's progress changes (its actors, which Ray kills
   only later, are fenced: `lock.Fence`); the second holds the next generation; the table equals an
   uninterrupted run's."""
-  cluster.add_node(num_cpus=1)
   out = tmp_path / "killed"
-  args = [*ARGS, "--executor", "ray", "--ray-address", cluster.address, "--output", str(out)]
-  p = start(*args)
+  args, p = under_way_on_one_node(cluster, out)
   try:
-    wait_under_way(out, p)
     assert lock_generation(out) == 1
     p.kill()
     p.wait()
