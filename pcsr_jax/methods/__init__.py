@@ -34,6 +34,7 @@ from pcsr_jax.methods.deyo import DeYO
 from pcsr_jax.methods.eata import EATA
 from pcsr_jax.methods.foa import FOA
 from pcsr_jax.methods.memo import MEMO
+from pcsr_jax.methods.neo import NEO
 from pcsr_jax.methods.pcsr import PCSR
 from pcsr_jax.methods.roid import ROID
 from pcsr_jax.methods.rem import REM
@@ -76,6 +77,7 @@ REGISTRY: dict[str, tuple[type[Method], dict]] = {
     "zerosiam": (ZeroSiam, {}),  # ICLR 2026: an identity-initialised predictor before the head
     "rem": (REM, {}),  # ICML 2025, continual: masked views of the least-attended patches, ranked entropies
     "dpcore": (DPCore, {}),  # ICML 2025, continual: a coreset of domain statistics and prompts; --source-data
+    "neo": (NEO, {}),  # ICLR 2026: no parameter adapted, the embeddings re-centred before the head
 }
 
 
