@@ -36,12 +36,14 @@ LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray keeps 127.0.0.1 a
 START_TIMEOUT_S = 300.0
 CONNECT_TIMEOUT_S = 60.0
 # Ray's own waits while a local instance starts (environment variables its processes read), raised to the bound
-# (never lowered below a minute: workers register with the raylet all along the run) so that a slow start runs
-# into ours, with its one line, rather than into one of Ray's. The wait for the GCS's port is the bound itself:
-# Ray waits for it in C++ holding the GIL, when no thread of ours runs, so its end is where ours is told.
-GCS_PORT_WAIT = "RAY_gcs_server_port_wait_time_s"
-RAY_START_WAITS = ("RAY_raylet_start_wait_time_s", "RAY_py_gcs_connect_timeout_s",
-                   "RAY_worker_register_timeout_seconds", "RAY_gcs_rpc_server_connect_timeout_s")
+# so that a slow start runs into ours, with its one line, rather than into one of Ray's. Ray waits for the GCS
+# (its port, then connections to it, retried as many times as the port's wait has seconds) in C++ holding the
+# GIL, when no thread of ours runs: the port's wait is the bound itself, so that its end is where ours is told,
+# and one connection attempt is at most a minute and never more than the bound. The raylet's and workers' waits
+# are never lowered below a minute (workers register with the raylet all along the run).
+GCS_WAITS = ("RAY_gcs_server_port_wait_time_s", "RAY_py_gcs_connect_timeout_s")
+GCS_CONNECT_WAIT = "RAY_gcs_rpc_server_connect_timeout_s"
+RAY_START_WAITS = ("RAY_raylet_start_wait_time_s", "RAY_worker_register_timeout_seconds")
 SAY_EVERY_S = 15.0  # a local start still under way says so this often
 RAYLET_REGISTER_S = 30  # ray/_private/node.py waits this long, not settable, for its raylet to register
 
@@ -68,7 +70,9 @@ def require_ray(address: Optional[str] = None, local: bool = True, timeout_s: Op
     os.environ.setdefault(LOOPBACK_ENV, "0")
     if local and address is None:
       bound = math.ceil(timeout_s or START_TIMEOUT_S)
-      os.environ.setdefault(GCS_PORT_WAIT, str(bound))
+      for var in GCS_WAITS:
+        os.environ.setdefault(var, str(bound))
+      os.environ.setdefault(GCS_CONNECT_WAIT, str(min(bound, 60)))
       for var in RAY_START_WAITS:
         os.environ.setdefault(var, str(max(bound, 60)))
   try:
@@ -124,8 +128,9 @@ def connect(address: Optional[str], timeout_s: Optional[float] = None, log: Call
               f"({bound - waited:.0f} s of --ray-timeout left)")
           continue
         if local:
-          ray.shutdown()
+          # the processes first: Ray's shutdown waits without a bound for some it started (valgrind's hook)
           _stop_children()
+          ray.shutdown()
         if waited >= bound - 1:  # Ray's wait for its GCS (set to the bound) ended, or ours
           raise UserError(line) from None
         raise UserError(f"{where}: cannot connect ({type(e).__name__}{': ' + text[0] if text else ''})") from None
@@ -144,13 +149,18 @@ def _watch(done: threading.Event, t0: float, bound: float, local: bool, stderr: 
   while not done.wait(min(SAY_EVERY_S, max(bound - (time.monotonic() - t0), 0.0))):
     waited = time.monotonic() - t0
     if waited >= bound:
-      _stop_children()
-      prog = sys.argv[0].rsplit("/", 1)[-1] if sys.argv and sys.argv[0] else "pcsr_jax"
-      os.write(stderr, f"{prog}: error: {line}\n".encode())
-      os._exit(2)
+      try:
+        _stop_children()
+        prog = sys.argv[0].rsplit("/", 1)[-1] if sys.argv and sys.argv[0] else "pcsr_jax"
+        os.write(stderr, f"{prog}: error: {line}\n".encode())
+      finally:  # whatever failed above, the command ends at the bound
+        os._exit(2)
     if local:
-      log(f"--executor ray: the local Ray instance is still starting ({waited:.0f} s; the machine is busy?); "
-          f"waiting up to --ray-timeout {bound:g} s")
+      try:
+        log(f"--executor ray: the local Ray instance is still starting ({waited:.0f} s; the machine is busy?); "
+            f"waiting up to --ray-timeout {bound:g} s")
+      except Exception:  # noqa: BLE001 -- a line that cannot be written must not end the watchdog
+        pass
 
 
 def _stop_children() -> None:
@@ -160,7 +170,11 @@ def _stop_children() -> None:
     import psutil  # a dependency of Ray's
   except ImportError:
     return
-  for p in psutil.Process().children(recursive=True):
+  try:
+    children = psutil.Process().children(recursive=True)
+  except psutil.Error:
+    return
+  for p in children:
     try:
       p.kill()
     except psutil.Error:

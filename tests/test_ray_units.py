@@ -289,13 +289,35 @@ def test_a_slow_local_start_is_waited_for_and_a_stuck_one_ends_in_one_line(tmp_p
   try:
     gcs = children_named(p.pid, "valgrind")
     t0 = time.perf_counter()
-    _, stderr = p.communicate(timeout=180)
+    try:
+      _, stderr = p.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+      raise AssertionError(f"still running after 180 s: {process_tree(p.pid)}") from None
   finally:
     stop(p)
   assert p.returncode == 2 and stderr == ("imagenet_c.py: error: --executor ray (a local Ray instance): did not "
                                           "start within 5 s (--ray-timeout)\n"), stderr[-3000:]
   assert time.perf_counter() - t0 < 60
   assert not gcs.is_running() or gcs.status() == psutil.STATUS_ZOMBIE
+
+
+def process_tree(pid: int) -> str:
+  """What ``pid`` and its descendants are doing (state, where each thread waits in the kernel), for a test that
+  fails on a process that never ended."""
+  import psutil
+
+  lines = []
+  try:
+    procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+  except psutil.Error:
+    return f"{pid} gone"
+  for q in procs:
+    try:
+      waits = sorted({open(f"/proc/{q.pid}/task/{t.id}/wchan").read() for t in q.threads()})
+      lines.append(f"{q.pid} {q.name()} {q.status()} waits in {waits}: {' '.join(q.cmdline())[:120]}")
+    except (psutil.Error, OSError):
+      pass
+  return "; ".join(lines)
 
 
 def children_named(pid: int, name: str, timeout: float = 120):
