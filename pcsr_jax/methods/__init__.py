@@ -36,6 +36,7 @@ from pcsr_jax.methods.foa import FOA
 from pcsr_jax.methods.memo import MEMO
 from pcsr_jax.methods.neo import NEO
 from pcsr_jax.methods.pcsr import PCSR
+from pcsr_jax.methods.pea import PEA
 from pcsr_jax.methods.roid import ROID
 from pcsr_jax.methods.rem import REM
 from pcsr_jax.methods.sar import SAR
@@ -78,6 +79,7 @@ REGISTRY: dict[str, tuple[type[Method], dict]] = {
     "rem": (REM, {}),  # ICML 2025, continual: masked views of the least-attended patches, ranked entropies
     "dpcore": (DPCore, {}),  # ICML 2025, continual: a coreset of domain statistics and prompts; --source-data
     "neo": (NEO, {}),  # ICLR 2026: no parameter adapted, the embeddings re-centred before the head
+    "pea": (PEA, {}),  # ICLR 2026: every block's tokens aligned to source statistics (CORAL), 6F, no backward
 }
 
 
