@@ -6,7 +6,7 @@ README's ImageNet-C command: ``--exp_type continual --source_stats_samples 50000
 
 * Nothing is trained and there is no backward pass. Every block's output tokens are moved towards the source
   distribution by a weighted CORAL step: ``X + w_l (Y - X)`` with ``Y = (X - mu_t) Sigma_t^{-1/2}
-  Sigma_s^{1/2} + mu_s`` over *all* tokens (``pea_vit.py`` l. 340-364; ``main_vit.py`` l. 326-334 fixes
+  Sigma_s^{1/2} + mu_s`` over *all* tokens (``pea_vit.py`` l. 340-364; ``main_vit.py`` l. 326-337 fixes
   ``use_cls_only=False``), ``Sigma_t^{-1/2}`` by eigh with eigenvalues clamped at ``eps = 1e-5`` (l. 47-54),
   per channel group of ``group_size`` (768, ``main_vit.py`` l. 119: one group at ViT-B; `group_size` >= D is
   one group at any width).
@@ -49,6 +49,11 @@ Departures and choices the official code leaves open:
   last batch, ``main_vit.py`` l. 261); a batch without a real row leaves the state as it is. The target
   covariance is one ``[T, D]^T [T, D]`` matmul over the batch's tokens: it does not go through ``--row-chunk``.
 * ``drift``, its EMA and the entropy EMA are float32 (the code: Python floats).
+* The source images are ``--source-data``'s, preprocessed as every method's source statistics here (ImageNet:
+  Resize(256) + CenterCrop(224)); the code resizes ImageNet train images to 224 x 224
+  (``utils/dataset_config.py`` l. 18-19, ``standard_transform_vit``).
+* ``n_aug_max`` above 3 is refused (the code takes the first ``n_aug_max`` of its three augmentations, so any
+  larger value is 3).
 * Not carried over: ResNet's ``pea_resnet.py``; ``--use_augmentation`` (``n_aug_max=0`` is its off);
   ``--eval_samples`` (the stream's length is the harness's).
 
