@@ -34,6 +34,7 @@ from pcsr_jax.methods.deyo import DeYO
 from pcsr_jax.methods.eata import EATA
 from pcsr_jax.methods.foa import FOA
 from pcsr_jax.methods.memo import MEMO
+from pcsr_jax.methods.imse import IMSE
 from pcsr_jax.methods.neo import NEO
 from pcsr_jax.methods.pcsr import PCSR
 from pcsr_jax.methods.roid import ROID
@@ -78,6 +79,7 @@ REGISTRY: dict[str, tuple[type[Method], dict]] = {
     "rem": (REM, {}),  # ICML 2025, continual: masked views of the least-attended patches, ranked entropies
     "dpcore": (DPCore, {}),  # ICML 2025, continual: a coreset of domain statistics and prompts; --source-data
     "neo": (NEO, {}),  # ICLR 2026: no parameter adapted, the embeddings re-centred before the head
+    "imse": (IMSE, {}),  # ICLR 2026: the singular values of every block Linear; a pool of experts; --source-data
 }
 
 
