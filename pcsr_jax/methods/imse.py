@@ -64,8 +64,10 @@ Choices the official code leaves open, settled here (and departures):
   ``*_no_adapt`` modes, ``DECOMPOSE_QKV``, ``SVD.BIAS``, ``NORM_LR`` > 0 (all off in the yaml) and the
   recurring protocol's ``OPTIM.LR 3e-3`` (``bash/3_imse_recurring.sh``: give ``lr``) are not carried over.
 
-Under ``--realtime`` a batch the clock skips gets `Method.forward` of the latest S (the engine's predict), with
-no detection and no statistics update: IMSE's relative cost is about 3 (2F+2B, plus the factor products).
+Under ``--realtime`` a batch the clock skips gets `Method.forward` of the latest S (the engine's predict, the
+kernels rebuilt from the factors), with no detection and no statistics update: the official code has no clock,
+and a skipped batch is never seen by its ``forward``. On the built-in benchmark's 2-core CPU IMSE's step measured
+C = 32 (`docs/results.md`): 2F+2B that reach every Linear's weight gradient, with SAR's at 4.
 """
 
 from __future__ import annotations
