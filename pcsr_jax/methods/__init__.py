@@ -33,6 +33,7 @@ from pcsr_jax.methods.dpcore import DPCore
 from pcsr_jax.methods.deyo import DeYO
 from pcsr_jax.methods.eata import EATA
 from pcsr_jax.methods.foa import FOA
+from pcsr_jax.methods.imse import IMSE
 from pcsr_jax.methods.memo import MEMO
 from pcsr_jax.methods.neo import NEO
 from pcsr_jax.methods.pcsr import PCSR
@@ -80,6 +81,7 @@ REGISTRY: dict[str, tuple[type[Method], dict]] = {
     "dpcore": (DPCore, {}),  # ICML 2025, continual: a coreset of domain statistics and prompts; --source-data
     "neo": (NEO, {}),  # ICLR 2026: no parameter adapted, the embeddings re-centred before the head
     "pea": (PEA, {}),  # ICLR 2026: every block's tokens aligned to source statistics (CORAL), 6F, no backward
+    "imse": (IMSE, {}),  # ICLR 2026: the singular values of every block Linear; a pool of experts; --source-data
 }
 
 
