@@ -33,6 +33,7 @@ from pcsr_jax.methods.dpcore import DPCore
 from pcsr_jax.methods.deyo import DeYO
 from pcsr_jax.methods.eata import EATA
 from pcsr_jax.methods.foa import FOA
+from pcsr_jax.methods.fozo import FOZO
 from pcsr_jax.methods.memo import MEMO
 from pcsr_jax.methods.neo import NEO
 from pcsr_jax.methods.pcsr import PCSR
@@ -78,6 +79,7 @@ REGISTRY: dict[str, tuple[type[Method], dict]] = {
     "rem": (REM, {}),  # ICML 2025, continual: masked views of the least-attended patches, ranked entropies
     "dpcore": (DPCore, {}),  # ICML 2025, continual: a coreset of domain statistics and prompts; --source-data
     "neo": (NEO, {}),  # ICLR 2026: no parameter adapted, the embeddings re-centred before the head
+    "fozo": (FOZO, {}),  # CVPR 2026: FOA's prompts tuned by zeroth-order (SPSA) estimates, 2F; --source-data
 }
 
 
