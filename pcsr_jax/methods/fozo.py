@@ -42,7 +42,7 @@ As its official code runs it (``eVI-group-SCU/FOZO`` @ 5bc3e5c; line numbers cou
   stream, in the harness's order.
 * Protocol: batch 64 (``main.py`` l. 128), severity 5 (l. 134), timm ``vit_base_patch16_224`` (l. 204).
 
-Choices the official code leaves open or fixes in code, settled here (all are fields):
+Choices the official code leaves open or fixes in code, settled here:
 
 * ``eps_min``, ``eps_max``, ``eps_decay``, ``lr_min``, ``lr_max``, ``lr_step``, ``lr_decay``, ``loss_alpha`` and
   ``loss_threshold`` are constants of the class (l. 89-91, 107-111, 228), here fields with those values.
