@@ -26,9 +26,9 @@ Phases, each in its own subprocess with a deadline (a hang or crash costs that p
 Parts (``--part``): the report in three commands of at most 450 s each (one GPU command is 10 minutes), the
 methods that changed or never ran on a GPU first: A ``source, tent, sar, pcsr, pcsr-frozen, dept-g, dda`` and
 the end-to-end phase; B ``t3a, eta, eata, deyo, cfa, spa, roid, cmf, foa``, COME on its three hosts, VCT, DCT,
-DPAL and the newer ZeroSiam, REM, DPCore, NEO, PEA and IMSE; C ``cotta, adacontrast, memo`` (MEMO at
-batch 16: ``--batch-sizes memo=16``). ``report.json`` is rewritten after every result, so a part cut off still leaves what
-it measured in ``--out``.
+DPAL and the newer ZeroSiam, REM, DPCore, NEO, PEA, IMSE and FOZO; C ``cotta, adacontrast, memo`` (MEMO at
+batch 16: ``--batch-sizes memo=16``). ``report.json`` is rewritten after every result, so a part cut off still
+leaves what it measured in ``--out``.
 
 Timing: ``--warmup`` steps after the first (compile) step, then ``--steps`` steps, each waited for (JAX
 ``block_until_ready``, ``torch.cuda.synchronize``); the warm-up and the timing each stop after ``--max-job-s``
@@ -490,7 +490,7 @@ PART_S = 450.0  # each part's budget: one GPU command (600 s) with margin for th
 PARTS = {
     "A": dict(methods="source,tent,sar,pcsr,pcsr-frozen,dept-g,dda", e2e=True),
     "B": dict(methods="t3a,eta,eata,deyo,cfa,spa,roid,cmf,foa,tent-come,sar-come,eata-come,vct,dct,dpal,zerosiam,"
-                      "rem,dpcore,neo,pea,imse", e2e=False),
+                      "rem,dpcore,neo,pea,imse,fozo", e2e=False),
     "C": dict(methods="cotta,adacontrast,memo", e2e=False, batch_sizes="memo=16"),
 }
 

@@ -15,7 +15,7 @@ from pcsr_jax.errors import UserError
 NAMES: tuple[str, ...] = (
     "source", "tent", "sar", "cotta", "memo", "adacontrast", "pcsr", "pcsr-frozen", "t3a", "eta", "eata", "deyo",
     "cfa", "foa", "spa", "roid", "cmf", "dept-g", "dda", "tent-come", "sar-come", "eata-come", "vct", "dct", "dpal",
-    "zerosiam", "rem", "dpcore", "neo", "pea", "imse",
+    "zerosiam", "rem", "dpcore", "neo", "pea", "imse", "fozo",
 )
 
 

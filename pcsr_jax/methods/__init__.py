@@ -33,6 +33,7 @@ from pcsr_jax.methods.dpcore import DPCore
 from pcsr_jax.methods.deyo import DeYO
 from pcsr_jax.methods.eata import EATA
 from pcsr_jax.methods.foa import FOA
+from pcsr_jax.methods.fozo import FOZO
 from pcsr_jax.methods.imse import IMSE
 from pcsr_jax.methods.memo import MEMO
 from pcsr_jax.methods.neo import NEO
@@ -82,6 +83,7 @@ REGISTRY: dict[str, tuple[type[Method], dict]] = {
     "neo": (NEO, {}),  # ICLR 2026: no parameter adapted, the embeddings re-centred before the head
     "pea": (PEA, {}),  # ICLR 2026: every block's tokens aligned to source statistics (CORAL), 6F, no backward
     "imse": (IMSE, {}),  # ICLR 2026: the singular values of every block Linear; a pool of experts; --source-data
+    "fozo": (FOZO, {}),  # CVPR 2026: FOA's prompts tuned by zeroth-order (SPSA) estimates, 2F; --source-data
 }
 
 

@@ -71,6 +71,34 @@ def masked_std_mean(x: Array, valid: Array) -> tuple[Array, Array]:
   return jnp.sqrt(var), mean
 
 
+def _layer_cls_features(prep: Prepared, frozen: Any, trainable: Any):
+  """images -> [B, depth * D]: every layer's class-token feature (`layer_cls_stats`), no prompts."""
+  variables = {"params": merge(frozen, trainable)}
+  return lambda x: prep.model.apply(variables, x, return_cls=True)[1].reshape(x.shape[0], -1)
+
+
+def layer_cls_stats(name: str, prep: Prepared, frozen: Any, trainable: Any,
+                    batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
+  """Mean and unbiased std over all ``batches`` of the per-layer class-token features without prompts: FOA's
+  source statistics, and FOZO's (``name`` in the error)."""
+  features = jax.jit(_layer_cls_features(prep, frozen, trainable))
+  n, total, total_sq = 0, 0.0, 0.0
+  for images, _ in batches:
+    f = np.asarray(features(images), np.float64)
+    n, total, total_sq = n + len(f), total + f.sum(0), total_sq + np.square(f).sum(0)
+  if n < 2:  # an unbiased std needs two
+    raise UserError(f"{name}: the source statistics need at least 2 source images, got {n}")
+  mean = total / n
+  std = np.sqrt(np.maximum(total_sq - n * np.square(mean), 0.0) / (n - 1))
+  return {"mean": mean.astype(np.float32), "std": std.astype(np.float32)}
+
+
+def layer_cls_stats_shapes(prep: Prepared, frozen: Any, trainable: Any) -> dict[str, jax.ShapeDtypeStruct]:
+  """The shapes `layer_cls_stats` returns for ``prep.model``, without computing them."""
+  d = jax.eval_shape(_layer_cls_features(prep, frozen, trainable), image_shape(prep.model)).shape[-1]
+  return {k: jax.ShapeDtypeStruct((d,), np.float32) for k in ("mean", "std")}
+
+
 @dataclasses.dataclass(frozen=True)
 class FOA(Method):
   name: ClassVar[str] = "foa"
@@ -107,26 +135,10 @@ class FOA(Method):
   def compute_source_stats(self, prep: Prepared, frozen: Any, trainable: Any,
                            batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
     """Mean and unbiased std over all source images of the per-layer class-token features, no prompts."""
-    features = jax.jit(self._source_features(prep, frozen, trainable))
-    n, total, total_sq = 0, 0.0, 0.0
-    for images, _ in batches:
-      f = np.asarray(features(images), np.float64)
-      n, total, total_sq = n + len(f), total + f.sum(0), total_sq + np.square(f).sum(0)
-    if n < 2:  # an unbiased std needs two
-      raise UserError(f"foa: the source statistics need at least 2 source images, got {n}")
-    mean = total / n
-    std = np.sqrt(np.maximum(total_sq - n * np.square(mean), 0.0) / (n - 1))
-    return {"mean": mean.astype(np.float32), "std": std.astype(np.float32)}
-
-  @staticmethod
-  def _source_features(prep: Prepared, frozen: Any, trainable: Any):
-    """images -> [B, depth * D]: every layer's class-token feature (`compute_source_stats`), no prompts."""
-    variables = {"params": merge(frozen, trainable)}
-    return lambda x: prep.model.apply(variables, x, return_cls=True)[1].reshape(x.shape[0], -1)
+    return layer_cls_stats(self.name, prep, frozen, trainable, batches)
 
   def source_stats_shapes(self, prep: Prepared, frozen: Any, trainable: Any) -> dict[str, jax.ShapeDtypeStruct]:
-    d = jax.eval_shape(self._source_features(prep, frozen, trainable), image_shape(prep.model)).shape[-1]
-    return {k: jax.ShapeDtypeStruct((d,), np.float32) for k in ("mean", "std")}
+    return layer_cls_stats_shapes(prep, frozen, trainable)
 
   def evaluate(self, prep: Prepared, frozen: Any, images: Array, valid: Array, prompts: Array,
                shift: Array) -> tuple[Array, Array, Array]:
