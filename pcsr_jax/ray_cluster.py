@@ -65,14 +65,15 @@ def require_ray(address: Optional[str] = None, local: bool = True, timeout_s: Op
   """The ``ray`` module, or a one-line error saying how to install it. For a local instance (``local`` and no
   ``address``) or a loopback ``address``, Ray is first told to keep 127.0.0.1 as the node's address (before it
   is imported: it reads that once); for a local instance Ray's own start-up waits are raised to ``timeout_s``.
-  Settings the user exported stay theirs."""
+  Settings the user exported stay theirs, but for Ray's waits for the GCS, which are capped at ``timeout_s``."""
   if (local and address is None) or is_loopback(address):
     os.environ.setdefault(LOOPBACK_ENV, "0")
     if local and address is None:
       bound = math.ceil(timeout_s or START_TIMEOUT_S)
-      for var in GCS_WAITS:
-        os.environ.setdefault(var, str(bound))
-      os.environ.setdefault(GCS_CONNECT_WAIT, str(min(bound, 60)))
+      # Ray's waits for the GCS hold the GIL: never longer than the bound, whatever the environment says (a
+      # larger exported value, or one an earlier call in this process set, would hide --ray-timeout)
+      for var, most in [(v, bound) for v in GCS_WAITS] + [(GCS_CONNECT_WAIT, min(bound, 60))]:
+        os.environ[var] = str(min(_int_env(var, most), most))
       for var in RAY_START_WAITS:
         os.environ.setdefault(var, str(max(bound, 60)))
   try:
@@ -83,6 +84,14 @@ def require_ray(address: Optional[str] = None, local: bool = True, timeout_s: Op
   if constants is not None and os.environ.get(LOOPBACK_ENV) == "0":
     constants.ENABLE_RAY_CLUSTER = False  # ray was imported before (by a caller): what the import would have read
   return ray
+
+
+def _int_env(var: str, default: int) -> int:
+  """``int(os.environ[var])``, or ``default`` when it is unset or not a whole number."""
+  try:
+    return int(os.environ[var])
+  except (KeyError, ValueError):
+    return default
 
 
 def connect(address: Optional[str], timeout_s: Optional[float] = None, log: Callable = print

@@ -33,8 +33,12 @@ ARGS = ["--methods", "source,tent", "--corruptions", "fog,contrast", "--images",
 
 
 def user_env() -> dict:
-  """The environment a user runs the command in: without the variable `conftest` exports for this process."""
-  return {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+  """The environment a user runs the command in: without the variable `conftest` exports for this process, nor
+  those `ray_cluster.require_ray` set when a test of this process called it."""
+  from pcsr_jax import ray_cluster as rc
+
+  ours = {rc.LOOPBACK_ENV, *rc.GCS_WAITS, rc.GCS_CONNECT_WAIT, *rc.RAY_START_WAITS}
+  return {k: v for k, v in os.environ.items() if k not in ours}
 
 
 def cli(*args, timeout=600):
@@ -299,6 +303,29 @@ def test_a_slow_local_start_is_waited_for_and_a_stuck_one_ends_in_one_line(tmp_p
                                           "start within 5 s (--ray-timeout)\n"), stderr[-3000:]
   assert time.perf_counter() - t0 < 60
   assert not gcs.is_running() or gcs.status() == psutil.STATUS_ZOMBIE
+
+
+def test_rays_waits_for_the_gcs_never_outlast_the_bound(monkeypatch):
+  """Ray waits for its GCS holding the GIL, when the watchdog cannot run: those waits are capped at
+  ``--ray-timeout`` whether the user exported a longer one or an earlier call in the process set it (CI's stuck
+  start once waited 300 s for a GCS that never came: a test before it had called `require_ray` in the same
+  process, with the default bound). Ray's other waits keep the user's values."""
+  from pcsr_jax import ray_cluster as rc
+
+  for var in (*rc.GCS_WAITS, rc.GCS_CONNECT_WAIT, *rc.RAY_START_WAITS):
+    monkeypatch.delenv(var, raising=False)
+  rc.require_ray(timeout_s=None)
+  assert os.environ["RAY_gcs_server_port_wait_time_s"] == "300" and os.environ[rc.GCS_CONNECT_WAIT] == "60"
+  rc.require_ray(timeout_s=5)
+  assert all(os.environ[v] == "5" for v in (*rc.GCS_WAITS, rc.GCS_CONNECT_WAIT))
+  monkeypatch.setenv("RAY_gcs_server_port_wait_time_s", "1000")
+  monkeypatch.setenv("RAY_raylet_start_wait_time_s", "1000")
+  rc.require_ray(timeout_s=20)
+  assert os.environ["RAY_gcs_server_port_wait_time_s"] == "20"
+  assert os.environ["RAY_raylet_start_wait_time_s"] == "1000"  # not a wait for the GCS: the user's
+  monkeypatch.setenv("RAY_gcs_server_port_wait_time_s", "3")
+  rc.require_ray(timeout_s=20)
+  assert os.environ["RAY_gcs_server_port_wait_time_s"] == "3"  # shorter than the bound: the user's
 
 
 def process_tree(pid: int) -> str:
