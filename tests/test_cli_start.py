@@ -37,7 +37,7 @@ def _probe(*flags: str) -> subprocess.CompletedProcess:
     (["--help"], None),
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--methods", "source,tnet"], "--methods: unknown method 'tnet' (did you mean tent?); expected some of source,"),
-    (["--methods", "eat"], "(did you mean eata or eta?)"),
+    (["--methods", "eat"], "(did you mean eata or pea or eta?)"),
     (["--seeds", "1,x"], "--seeds: expected comma-separated integers, got '1,x'"),
     (["--method-args", "{"], "--method-args: not valid JSON"),
     # Empty lists once ran the built-in benchmark's default five methods; seeds past 32 bits passed to jax (a

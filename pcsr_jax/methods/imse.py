@@ -59,7 +59,8 @@ Choices the official code leaves open, settled here (and departures):
 * An empty variance filter (only when ``int(r * vm_ratio) = 0``) adds 0, where PyTorch's mean is NaN; an empty
   entropy filter gives the entropy term a zero gradient (PyTorch: a NaN loss whose gradient is zero), so the
   variance term alone still updates S, as in PyTorch. A batch without a real row changes nothing.
-* The variance term's std is one pass over the whole batch (no ``--row-chunk`` passes): it couples the rows.
+* ``--row-chunk``: the forwards and the variance term's projections run in passes of that many rows; the std
+  over the batch is taken after, from all of them (it couples the rows).
 * ``SVD.NUM_SEEN_TEST_DOMAINS``, ``DSS_K``, ``TEMP`` are ``num_seen``, ``dss_k``, ``temp``; the
   ``*_no_adapt`` modes, ``DECOMPOSE_QKV``, ``SVD.BIAS``, ``NORM_LR`` > 0 (all off in the yaml) and the
   recurring protocol's ``OPTIM.LR 3e-3`` (``bash/3_imse_recurring.sh``: give ``lr``) are not carried over.
@@ -88,6 +89,7 @@ from pcsr_jax.errors import UserError
 from pcsr_jax.methods.base import SAR_SKIP_BLOCKS, Method, Prepared, merge
 from pcsr_jax.methods.hyperparameters import field
 from pcsr_jax.methods.optimizers import sam_perturb
+from pcsr_jax.methods.rows import in_row_passes
 from pcsr_jax.models.vit import VisionTransformer
 
 Array = jax.Array
@@ -134,6 +136,12 @@ class SVDViT(VisionTransformer):
     return super().apply({**variables, "params": with_kernels(variables["params"])}, *args, **kwargs)
 
 
+def _at(tree: Any, path: tuple) -> Any:
+  for k in path:
+    tree = tree[k]
+  return tree
+
+
 def patch_tokens(model: VisionTransformer, x: Array) -> Array:
   """The patch tokens after the position embedding, class token dropped ``[B, N, D]`` (no ``norm_pre`` in
   timm's ViT-B): what ``forward_embedding_patch_embed`` measures."""
@@ -157,14 +165,19 @@ def kl_shift(var_a: Array, mean_a: Array, var_b: Array, mean_b: Array) -> Array:
   return jnp.mean(d1 + d2, axis=-1)
 
 
-def direction_std(x: Array, vh: Array, valid: Array) -> Array:
-  """``[r]``: the unbiased std over valid rows and tokens of ``(x / ||x||) @ Vh.T`` (``decompose_svd.py``
-  l. 126-129)."""
-  w = valid.astype(jnp.float32)[:, None, None]
+def project(x: Array, vh: Array) -> Array:
+  """``(x / ||x||) @ Vh.T``: a Linear's inputs, each token normalised, on ``Vh``'s rows (``decompose_svd.py``
+  l. 126-128); per row, so it runs inside the row passes."""
   x = x.astype(jnp.float32)
   norm = jnp.linalg.norm(x, axis=-1, keepdims=True)
-  a = (x / jnp.where(norm > 0, norm, 1.0)) @ vh.T
-  n = jnp.sum(w) * x.shape[1]
+  return (x / jnp.where(norm > 0, norm, 1.0)) @ vh.T
+
+
+def direction_std(a: Array, valid: Array) -> Array:
+  """``[r]``: the unbiased std of the projections ``a`` ``[B, N, r]`` (`project`) over the valid rows and all
+  tokens, per direction (``decompose_svd.py`` l. 129)."""
+  w = valid.astype(jnp.float32)[:, None, None]
+  n = jnp.sum(w) * a.shape[1]
   mean = jnp.sum(a * w, axis=(0, 1)) / jnp.maximum(n, 1.0)
   return jnp.sqrt(jnp.sum(jnp.square(a - mean) * w, axis=(0, 1)) / jnp.maximum(n - 1.0, 1.0))
 
@@ -304,37 +317,41 @@ class IMSE(Method):
     mix = jax.tree.map(lambda p: p[0] + jnp.tensordot(w, p - p[0], axes=1), pool.s)
     return mix, jnp.argmax(w)
 
-  def forward_with_inputs(self, prep: Prepared, params: Any, images: Array) -> tuple[Array, dict]:
-    """Logits and the inputs of the Linears of the last ``vm_num`` blocks, keyed by their path."""
+  def forward_with_projections(self, prep: Prepared, params: Any, images: Array) -> tuple[Array, dict]:
+    """Logits and the inputs of the Linears of the last ``vm_num`` blocks projected on their ``Vh``
+    (`project`), keyed by the Linear's path; in passes of ``--row-chunk`` rows (`in_row_passes`): the
+    statistics over the batch are taken after."""
     vm = {f"blocks_{i}" for i in self.vm_blocks(prep.model.config.depth)}
-    inputs = {}
 
-    def record(next_fun, args, kwargs, context):
-      m = context.module
-      if isinstance(m, nn.Dense) and context.method_name == "__call__" and m.path and m.path[0] in vm:
-        inputs[tuple(m.path)] = args[0]
-      return next_fun(*args, **kwargs)
+    def one_pass(x):
+      inputs = {}
 
-    with nn.intercept_methods(record):
-      logits = prep.model.apply({"params": params}, images)
-    return logits, inputs
+      def record(next_fun, args, kwargs, context):
+        m = context.module
+        if isinstance(m, nn.Dense) and context.method_name == "__call__" and m.path and m.path[0] in vm:
+          inputs[tuple(m.path)] = args[0]
+        return next_fun(*args, **kwargs)
 
-  def vm_loss(self, params: Any, inputs: dict, valid: Array) -> Array:
+      with nn.intercept_methods(record):
+        logits = prep.model.apply({"params": params}, x)
+      return logits, {path: project(a, _at(params, path)["svd_vh"]) for path, a in inputs.items()}
+
+    return in_row_passes(prep, one_pass, images)
+
+  def vm_loss(self, projections: dict, valid: Array) -> Array:
     """``get_variance_maximization_loss``: the layers' low-std means summed, divided by ``vm_num``."""
     total = jnp.zeros((), jnp.float32)
-    for path, x in sorted(inputs.items()):
-      vh = params
-      for k in path:
-        vh = vh[k]
-      total = total + low_std_mean(direction_std(x, vh["svd_vh"], valid), self.vm_ratio)
+    for _, a in sorted(projections.items()):
+      total = total + low_std_mean(direction_std(a, valid), self.vm_ratio)
     return total / self.vm_num
 
   def update(self, prep, frozen, state, images, valid):
     pool, margin = state.extra, self.margin(prep.model.config.num_classes)
     any_row = jnp.any(valid)
     full = jnp.all(valid)  # a batch of the stream's batch size (the padded rows are a short batch's)
-    mean, var = token_stats(prep.model.apply({"params": merge(frozen, state.trainable)}, images,
-                                             method=patch_tokens), valid)
+    params = merge(frozen, state.trainable)
+    mean, var = token_stats(in_row_passes(prep, lambda x: prep.model.apply({"params": params}, x,
+                                                                           method=patch_tokens), images), valid)
     # DomainInfo.forward l. 58-93: the shift value, a detection, the running statistics
     shift = jnp.where(pool.has_cur, kl_shift(pool.cur_var, pool.cur_mean, var, mean), 0.0)
     detect = any_row & pool.has_cur & (shift > self.dss_k)
@@ -356,10 +373,10 @@ class IMSE(Method):
 
     def objective(trainable, keep):
       params = merge(frozen, trainable)
-      logits, inputs = self.forward_with_inputs(prep, params, images)
+      logits, projections = self.forward_with_projections(prep, params, images)
       ent = losses.entropy(logits)
       mask = losses.reliable_mask(ent, margin, keep)
-      vm = self.vm_loss(params, inputs, valid) if self.vm_weight > 0 else jnp.zeros((), jnp.float32)
+      vm = self.vm_loss(projections, valid) if self.vm_weight > 0 else jnp.zeros((), jnp.float32)
       return losses.masked_mean(ent, mask) - self.vm_weight * vm, (logits, mask, vm)
 
     (loss1, (logits, mask1, vm1)), g1 = jax.value_and_grad(objective, has_aux=True)(state.trainable, valid)
