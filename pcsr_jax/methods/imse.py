@@ -67,8 +67,8 @@ Choices the official code leaves open, settled here (and departures):
 
 Under ``--realtime`` a batch the clock skips gets `Method.forward` of the latest S (the engine's predict, the
 kernels rebuilt from the factors), with no detection and no statistics update: the official code has no clock,
-and a skipped batch is never seen by its ``forward``. On the built-in benchmark's 2-core CPU IMSE's step measured
-C = 32 (`docs/results.md`): 2F+2B that reach every Linear's weight gradient, with SAR's at 4.
+and a skipped batch is never seen by its ``forward``. On the built-in benchmark's idle 2-core CPU IMSE's step measured
+C = 16 (`docs/results.md`): 2F+2B that reach every Linear's weight gradient.
 """
 
 from __future__ import annotations
