@@ -19,6 +19,8 @@ import cma
 import numpy as np
 import torch
 
+from benchmarks.torch_methods import prompt_vit
+
 
 class Reference:
   def __init__(self, model: torch.nn.Module, batch_size: int, source_batches: Sequence[torch.Tensor] = (),
@@ -51,17 +53,7 @@ class Reference:
 
   def layers_cls_features(self, x: torch.Tensor, prompts: Optional[torch.Tensor]) -> torch.Tensor:
     """PromptViT.layers_cls_features(_with_prompts): ``[B, depth * D]``."""
-    v = self.vit
-    x = v._pos_embed(v.patch_embed(x))
-    if prompts is not None:
-      x = torch.cat((x[:, :1, :], prompts.expand(x.shape[0], -1, -1), x[:, 1:, :]), dim=1)
-    x = v.norm_pre(x)
-    feats = []
-    for i, blk in enumerate(v.blocks):
-      x = blk(x)
-      norm = v.blocks[i + 1].norm1 if i < len(v.blocks) - 1 else v.norm
-      feats.append(norm(x[:, 0]))
-    return torch.cat(feats, dim=1)
+    return torch.cat(prompt_vit.layers_cls_features(self.vit, x, prompts), dim=1)
 
   def _forward_and_get_loss(self, x, prompts, shift_vector):
     features = self.layers_cls_features(x, prompts)

@@ -20,6 +20,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from benchmarks.torch_methods import prompt_vit
+
 
 class Reference:
   def __init__(self, model: torch.nn.Module, batch_size: int, source_batches: Sequence[torch.Tensor] = (),
@@ -59,16 +61,7 @@ class Reference:
 
   def layers_cls_features(self, x: torch.Tensor, prompts: Optional[torch.Tensor]) -> list[torch.Tensor]:
     """PromptViT.layers_cls_features(_with_prompts): one ``[B, D]`` tensor per layer."""
-    v = self.vit
-    x = v._pos_embed(v.patch_embed(x))
-    if prompts is not None:
-      x = torch.cat((x[:, :1, :], prompts.expand(x.shape[0], -1, -1), x[:, 1:, :]), dim=1)
-    x = v.norm_pre(x)
-    feats = []
-    for i, blk in enumerate(v.blocks):
-      x = blk(x)
-      feats.append((v.blocks[i + 1].norm1 if i < len(v.blocks) - 1 else v.norm)(x[:, 0]))
-    return feats
+    return prompt_vit.layers_cls_features(self.vit, x, prompts)
 
   def _forward_and_get_loss(self, x: torch.Tensor, shift_vector: Optional[torch.Tensor]):
     feats = self.layers_cls_features(x, self.prompts)
