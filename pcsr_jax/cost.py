@@ -34,7 +34,7 @@ from pcsr_jax import files
 FILE = "costs.json"  # under the progress folder (`progress.Resume.dir`)
 # The cost fields of a method, in results.csv's order after the accuracy fields.
 FIELDS = ("step_s_median", "step_s_p90", "images_per_s", "compile_s", "peak_memory_bytes", "peak_memory_kind",
-          "step_memory_bytes", "cost_batches", "realtime_c", "realtime_c_from", "adapted_batches", "batches")
+          "step_memory_bytes", "devices", "cost_batches", "realtime_c", "realtime_c_from", "adapted_batches", "batches")
 
 
 def peak_memory(device: Any = None) -> tuple[int, str]:
@@ -95,6 +95,7 @@ def probe(adapter: Any, placed: tuple, batches: int, predict: bool = False) -> d
   out = summarize(first, times, adapter.batch_size)
   out["step_memory_bytes"] = step_memory(adapter.lower(state, placed).compile())  # compiled already: cached
   out["peak_memory_bytes"], out["peak_memory_kind"] = peak_memory(adapter.mesh.devices.flat[0])
+  out["devices"] = describe_devices(list(adapter.mesh.devices.flat))  # a Ray actor's own, not its driver's
   return out
 
 
@@ -126,9 +127,11 @@ def _mib(b: Optional[int]) -> str:
   return "-" if b is None else f"{b / 2 ** 20:.0f}"
 
 
-def table(costs: dict, methods: Sequence[str]) -> str:
+def table(costs: dict, methods: Sequence[str], origin: Optional[dict] = None) -> str:
   """The cost table (markdown), a row per method: the step's median and 90th-percentile ms per batch, images/s,
-  compile seconds, peak and step memory (MiB), and under ``--realtime`` C and the batches adapted on."""
+  compile seconds, peak and step memory (MiB), and under ``--realtime`` C and the batches adapted on. Its caption
+  names the devices each method was measured on (this process's where a cost predates that field), and with
+  ``origin`` (``{method: run}``, `merge_results`) the run each row comes from."""
   rows = [m for m in methods if m in costs]
   if not rows:
     return ""
@@ -146,18 +149,30 @@ def table(costs: dict, methods: Sequence[str]) -> str:
       line += f" {c.get('realtime_c', '-')}{src} | {c.get('adapted_batches', '-')} of {c.get('batches', '-')} |"
     lines.append(line)
   n = {costs[m].get("cost_batches") for m in rows}
-  note = (f"\nCost of each method's step on {describe_devices()}: after compilation, over "
+  where = {}  # devices -> the methods measured there
+  for m in rows:
+    where.setdefault(costs[m].get("devices") or ("devices not recorded" if origin else describe_devices()),
+                     []).append(m)
+  on = next(iter(where)) if len(where) == 1 else "; ".join(f"{d} ({', '.join(ms)})" for d, ms in where.items())
+  if origin:
+    runs: dict = {}
+    for m in rows:
+      runs.setdefault(origin[m], []).append(m)
+    on += "; rows from " + "; ".join(f"{r} ({', '.join(ms)})" for r, ms in runs.items())
+  note = (f"\nCost of each method's step on {on}: after compilation, over "
           f"{'/'.join(map(str, sorted(x for x in n if x)))} timed steps on the stream's first batch; peak memory: "
           f"{', '.join(kinds) or '-'} (the process's peak so far, methods measured in this order); step memory: "
           f"XLA's compiled step (arguments, outputs, temporaries).\n")
   return "\n".join(lines) + "\n" + note
 
 
-def describe_devices() -> str:
-  import jax
+def describe_devices(devices: Optional[Sequence[Any]] = None) -> str:
+  """``"N x kind"`` of ``devices`` (default: this process's local devices)."""
+  if devices is None:
+    import jax
 
-  d = jax.local_devices()
-  return f"{len(d)} x {d[0].device_kind}" if d else "no device"
+    devices = jax.local_devices()
+  return f"{len(devices)} x {devices[0].device_kind}" if devices else "no device"
 
 
 def log_lines(method: str, c: dict) -> str:

@@ -49,6 +49,7 @@ def test_merged_table_is_the_single_runs_table_plus_img_per_s(run, tmp_path, cap
   assert merge_results.main([*paths, "--output", str(tmp_path / "t.md")]) == 0
   merged = (tmp_path / "t.md").read_text()
   assert capsys.readouterr().out == merged
+  merged = merged.split("\n\n")[0]  # the accuracy table; the cost table after it: its own test
   got, want = merged.strip().split("\n"), table.strip().split("\n")
   assert len(got) == len(want) == 4 and "±" in want[2]  # header, rule, two methods with a spread over 2 seeds
   for g, w in zip(got, want):
@@ -197,3 +198,37 @@ def test_speed_takes_the_img_per_s_column_from_another_run_of_the_same_setting(r
   (tmp_path / "quick.json").write_text(json.dumps(quick))
   with pytest.raises(UserError, match=r"--speed .*quick.json: batch_size is 64, but .*part0/results.json has 8"):
     merge_results.main([a, b, "--speed", str(tmp_path / "quick.json")])
+
+
+def test_the_cost_table_takes_each_method_from_its_run_and_names_devices_and_runs(run, tmp_path, capsys):
+  """Each method's cost row from the run that holds its units (or from ``--speed``), the caption naming the
+  devices each was measured on (recorded with the cost) and the run it comes from; runs from before costs were
+  recorded give no cost table."""
+  from pcsr_jax import cost
+
+  data, _ = run
+  assert all(data["costs"][m]["devices"].endswith(" x cpu") for m in ("source", "tent"))
+  a, b = _split(data, tmp_path)
+  part_b = json.loads((tmp_path / "part1" / "results.json").read_text())
+  part_b["costs"]["tent"] = dict(part_b["costs"]["tent"], step_s_median=0.5, devices="2 x gpu")
+  (tmp_path / "part1" / "results.json").write_text(json.dumps(part_b))
+  assert merge_results.main([a, b]) == 0
+  costs = capsys.readouterr().out.split("\n\n", 1)[1]
+  assert costs == cost.table({"source": data["costs"]["source"], "tent": part_b["costs"]["tent"]},
+                             ["source", "tent"], origin={"source": f"{a}/results.json", "tent": f"{b}/results.json"})
+  rows = [line for line in costs.split("\n") if line.startswith("| source") or line.startswith("| tent")]
+  assert rows[1].startswith("| tent | 500.0 |")  # part1's tent, not part0's (which has no tent unit)
+  assert (f"on {data['costs']['source']['devices']} (source); 2 x gpu (tent); rows from {a}/results.json (source); "
+          f"{b}/results.json (tent)") in costs
+  quick = copy.deepcopy(data)
+  quick["costs"]["source"] = dict(quick["costs"]["source"], step_s_median=0.25)
+  (tmp_path / "quick.json").write_text(json.dumps(quick))
+  assert merge_results.main([a, b, "--speed", str(tmp_path / "quick.json")]) == 0
+  costs = capsys.readouterr().out.split("\n\n", 1)[1]
+  assert "| source | 250.0 |" in costs and f"rows from {tmp_path / 'quick.json'} (source, tent)" in costs
+  for part in ("part0", "part1"):  # results.json from before costs were recorded
+    old = json.loads((tmp_path / part / "results.json").read_text())
+    del old["costs"]
+    (tmp_path / part / "results.json").write_text(json.dumps(old))
+  assert merge_results.main([a, b]) == 0
+  assert "step ms" not in capsys.readouterr().out

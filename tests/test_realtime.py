@@ -210,6 +210,7 @@ def test_every_run_records_its_costs_in_every_output(world, tmp_path):
       assert c[k] > 0, (m, k, c)
     assert c["compile_s"] >= 0 and c["step_s_p90"] >= c["step_s_median"] and c["cost_batches"] == 2
     assert c["peak_memory_kind"] == "process peak RSS (CPU)" and "realtime_c" not in c
+    assert c["devices"] == data["costs"]["source"]["devices"] and c["devices"].endswith(" x cpu")
     assert any(line.startswith(f"{m}: step ") for line in lines)
   assert not any("step_s_median" in r for r in data["records"])  # records stay comparable between runs
   with open(tmp_path / "results.csv") as f:
@@ -217,6 +218,7 @@ def test_every_run_records_its_costs_in_every_output(world, tmp_path):
   assert all(float(r["images_per_s"]) > 0 and int(r["peak_memory_bytes"]) > 0 for r in rows)
   table = (tmp_path / "table.md").read_text()
   assert "| Method | step ms (median) | step ms (p90) | img/s | compile s | peak MiB | step MiB |" in table
+  assert f"Cost of each method's step on {data['costs']['source']['devices']}: after compilation" in table
   assert "| C |" not in table and os.path.getsize(tmp_path / "accuracy_vs_cost.png") > 0
   acc = EventAccumulator(str(tmp_path / "tensorboard" / "costs" / "tent"))
   acc.Reload()

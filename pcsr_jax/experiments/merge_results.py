@@ -7,9 +7,11 @@ hosts or cores) than as one. This reads each run's ``results.json``, checks that
 (the settings in `SAME`), takes each (method, seed) unit from the one run that has it, and writes the Table 1
 layout of `results.table` with one more column: each method's images/s, the median over its units of the images
 it adapted on over the seconds they took, followed by its seeds where a method has fewer than another.
-``--partial`` also takes the finished units of a run still under way (its ``resume/``), so that a run whose
-slowest methods are left to finish elsewhere still gives its finished ones; it says which units are missing and
-which of them are under way (with saved progress).
+After it comes the merged cost table (`cost.table`): each method's step time, img/s, compile time and memory as
+the run it comes from measured them, each row naming its devices and its run (``--speed``: that run's). A run
+from before costs were recorded gives no row. ``--partial`` also takes the finished units of a run still under
+way (its ``resume/``), so that a run whose slowest methods are left to finish elsewhere still gives its finished
+ones; it says which units are missing and which of them are under way (with saved progress).
 
 A long run split over processes that share a machine (or were paused) times each unit against its neighbours,
 so its img/s say little about a method's speed. ``--speed RUN`` takes the img/s column from another finished
@@ -27,7 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pcsr_jax import results
+from pcsr_jax import cost, results
 from pcsr_jax.errors import ArgumentParser, UserError
 from pcsr_jax.files import atomic_path
 
@@ -62,7 +64,7 @@ def load_progress(run: str) -> dict:
   merged = progress.merge([r for k, r in recs.items() if k not in missing and progress.stem(k) not in open_stems])
   under_way = {k: recs[k].progress.seen for k in missing if recs[k] is not None and recs[k].progress is not None}
   return dict(config=config, records=merged.records, throughput=merged.throughput, complete=False, path=resume.path,
-              missing=missing, under_way=under_way)
+              missing=missing, under_way=under_way, costs=cost.load(resume.dir))
 
 
 def report_missing(run: dict) -> str:
@@ -155,6 +157,28 @@ def merge(runs: Sequence[dict], speed: dict | None = None) -> str:
   return results.table(records, first["config"]["corruptions"], methods, extra=("img/s", cells))
 
 
+def merge_costs(runs: Sequence[dict], speed: dict | None = None) -> str:
+  """The cost table of the merged methods (`cost.table`): each method's costs from ``speed`` when given, else from
+  the first run that has both its units and its costs; "" when no run recorded any."""
+  costs, origin = {}, {}
+  for m in _merged_methods(runs):
+    for run in [speed] if speed is not None else runs:
+      c = run.get("costs")
+      if isinstance(c, dict) and isinstance(c.get(m), dict) and (speed is not None or _has_units(run, m)):
+        costs[m], origin[m] = c[m], run["path"]
+        break
+  return cost.table(costs, list(costs), origin=origin) if costs else ""
+
+
+def _merged_methods(runs: Sequence[dict]) -> list[str]:
+  return [m for m in dict.fromkeys(m for run in runs for m in run["config"]["methods"]) if
+          any(_has_units(run, m) for run in runs)]
+
+
+def _has_units(run: dict, method: str) -> bool:
+  return any(r["method"] == method for r in run["records"])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   p = ArgumentParser(prog="merge_results.py", description=__doc__.split("\n\n")[0])
   p.add_argument("runs", nargs="+", help="finished runs' output folders (or their results.json)")
@@ -167,7 +191,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   if a.output is not None:
     check_output_file(a.output)
   runs = [load(r, a.partial) for r in a.runs]
-  table = merge(runs, speed=load(a.speed) if a.speed else None)
+  speed = load(a.speed) if a.speed else None
+  table = merge(runs, speed=speed)
+  costs = merge_costs(runs, speed)
+  table += f"\n{costs}" if costs else ""
   for line in map(report_missing, runs):  # after the merge: a refused one is its one line alone
     if line:
       print(line, file=sys.stderr)
