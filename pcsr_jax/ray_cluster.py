@@ -36,14 +36,14 @@ LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray keeps 127.0.0.1 a
 START_TIMEOUT_S = 300.0
 CONNECT_TIMEOUT_S = 60.0
 # Ray's own waits while a local instance starts (environment variables its processes read), raised to the bound
-# so that a slow start runs into ours, with its one line, rather than into one of Ray's. Ray waits for the GCS
-# (its port, then connections to it, retried as many times as the port's wait has seconds) in C++ holding the
-# GIL, when no thread of ours runs: the port's wait is the bound itself, so that its end is where ours is told,
-# and one connection attempt is at most a minute and never more than the bound. The raylet's and workers' waits
-# are never lowered below a minute (workers register with the raylet all along the run).
+# so that a slow start runs into ours, with its one line, rather than into one of Ray's. Ray waits for the GCS's
+# port (and for the Python client's first connection) in C++ holding the GIL, when no thread of ours runs: those
+# waits are the bound itself, so that their end is where ours is told. The others are never below a minute: the
+# workers register with the raylet, and every process reconnects to the GCS, all along the run (a GCS client
+# that gave up after 60 s ended a run on a loaded 2-core machine).
 GCS_WAITS = ("RAY_gcs_server_port_wait_time_s", "RAY_py_gcs_connect_timeout_s")
-GCS_CONNECT_WAIT = "RAY_gcs_rpc_server_connect_timeout_s"
-RAY_START_WAITS = ("RAY_raylet_start_wait_time_s", "RAY_worker_register_timeout_seconds")
+RAY_START_WAITS = ("RAY_raylet_start_wait_time_s", "RAY_worker_register_timeout_seconds",
+                   "RAY_gcs_rpc_server_connect_timeout_s")
 SAY_EVERY_S = 15.0  # a local start still under way says so this often
 RAYLET_REGISTER_S = 30  # ray/_private/node.py waits this long, not settable, for its raylet to register
 
@@ -72,8 +72,8 @@ def require_ray(address: Optional[str] = None, local: bool = True, timeout_s: Op
       bound = math.ceil(timeout_s or START_TIMEOUT_S)
       # Ray's waits for the GCS hold the GIL: never longer than the bound, whatever the environment says (a
       # larger exported value, or one an earlier call in this process set, would hide --ray-timeout)
-      for var, most in [(v, bound) for v in GCS_WAITS] + [(GCS_CONNECT_WAIT, min(bound, 60))]:
-        os.environ[var] = str(min(_int_env(var, most), most))
+      for var in GCS_WAITS:
+        os.environ[var] = str(min(_int_env(var, bound), bound))
       for var in RAY_START_WAITS:
         os.environ.setdefault(var, str(max(bound, 60)))
   try:
@@ -108,7 +108,9 @@ def connect(address: Optional[str], timeout_s: Optional[float] = None, log: Call
   where = f"--ray-address {address}" if address else "--executor ray (a local Ray instance)"
   kw: dict[str, Any] = dict(log_to_driver=False, configure_logging=False)
   if local:
-    kw.update(_node_ip_address="127.0.0.1", include_dashboard=False)
+    # "local": a new instance of our own. With no address Ray joins the latest cluster started on this machine
+    # (/tmp/ray/ray_current_cluster, or RAY_ADDRESS): someone else's, or a dead one that it waits 60 s for.
+    kw.update(address="local", _node_ip_address="127.0.0.1", include_dashboard=False)
   else:
     check_address(address)
     kw.update(address=address)
