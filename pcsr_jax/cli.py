@@ -18,7 +18,7 @@ import sys
 from typing import Callable, NoReturn, Sequence, Union
 
 from pcsr_jax import malloc
-from pcsr_jax.errors import UserError
+from pcsr_jax.errors import UserError, error_line
 
 
 # Missing modules that come with an extra, not with the core install.
@@ -67,12 +67,11 @@ def _interrupt(signum: int, frame) -> None:
 
 def _fail(message: str) -> NoReturn:
   """``<command>: error: <message>`` on stderr, exit 2, nothing else."""
-  prog = sys.argv[0].rsplit("/", 1)[-1] if sys.argv and sys.argv[0] else "pcsr_jax"
   sys.stdout.flush()
   sys.stderr.flush()
   # Only this line: a failed orbax/tensorstore read leaves callbacks in other threads that print tracebacks
   # as the process winds down. Point stderr at /dev/null first, write the line to a copy, exit at once.
   line = os.dup(2)
   os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
-  os.write(line, f"{prog}: error: {message}\n".encode())
+  os.write(line, error_line(message).encode())
   os._exit(2)

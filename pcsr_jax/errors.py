@@ -16,6 +16,12 @@ class UserError(Exception):
   """Bad input from the user (a file, key, flag or value). Printed as one line."""
 
 
+def error_line(message: str) -> str:
+  """The command's one line for ``message``: ``<command>: error: <message>``, as argparse words its own."""
+  prog = sys.argv[0].rsplit("/", 1)[-1] if sys.argv and sys.argv[0] else "pcsr_jax"
+  return f"{prog}: error: {message}\n"
+
+
 def check_fields(cls: type, given: Iterable[str], what: str, noun: str = "unknown fields") -> None:
   """One-line error if ``given`` (a config dict's keys) names anything that is not a field of dataclass ``cls``."""
   unknown = sorted(set(given) - {f.name for f in dataclasses.fields(cls)})

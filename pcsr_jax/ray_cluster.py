@@ -22,12 +22,11 @@ import ipaddress
 import math
 import os
 import socket
-import sys
 import threading
 import time
 from typing import Any, Callable, Optional
 
-from pcsr_jax.errors import UserError
+from pcsr_jax.errors import UserError, error_line
 
 INSTALL = 'pip install -e ".[ray]" (or pip install "ray>=2.40")'
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray keeps 127.0.0.1 as the node's address
@@ -162,8 +161,7 @@ def _watch(done: threading.Event, t0: float, bound: float, local: bool, stderr: 
     if waited >= bound:
       try:
         _stop_children()
-        prog = sys.argv[0].rsplit("/", 1)[-1] if sys.argv and sys.argv[0] else "pcsr_jax"
-        os.write(stderr, f"{prog}: error: {line}\n".encode())
+        os.write(stderr, error_line(line).encode())
       finally:  # whatever failed above, the command ends at the bound
         os._exit(2)
     if local:
