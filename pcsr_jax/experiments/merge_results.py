@@ -127,13 +127,12 @@ def merge(runs: Sequence[dict], speed: dict | None = None) -> str:
       raise UserError(f"{run['path']}: {key} is {run['config'].get(key)!r}, but {first['path']} has "
                       f"{first['config'].get(key)!r}; merge only runs of the same stream")
   owner: dict[tuple[str, int], str] = {}
-  methods: list[str] = []
   for run in runs:
     for unit in sorted({(r["method"], r["seed"]) for r in run["records"]}):
       if unit in owner:
         raise UserError(f"{run['path']}: {unit[0]} seed {unit[1]} is also in {owner[unit]}; each unit from one run")
       owner[unit] = run["path"]
-    methods += [m for m in run["config"]["methods"] if m not in methods and any(u[0] == m for u in owner)]
+  methods = merged_methods(runs)
   if not methods:
     raise UserError(f"{', '.join(run['path'] for run in runs)}: no finished unit to merge")
   records = [r for run in runs for r in run["records"]]
@@ -161,7 +160,7 @@ def merge_costs(runs: Sequence[dict], speed: dict | None = None) -> str:
   """The cost table of the merged methods (`cost.table`): each method's costs from ``speed`` when given, else from
   the first run that has both its units and its costs; "" when no run recorded any."""
   costs, origin = {}, {}
-  for m in _merged_methods(runs):
+  for m in merged_methods(runs):
     for run in [speed] if speed is not None else runs:
       c = run.get("costs")
       if isinstance(c, dict) and isinstance(c.get(m), dict) and (speed is not None or _has_units(run, m)):
@@ -170,9 +169,15 @@ def merge_costs(runs: Sequence[dict], speed: dict | None = None) -> str:
   return cost.table(costs, list(costs), origin=origin) if costs else ""
 
 
-def _merged_methods(runs: Sequence[dict]) -> list[str]:
-  return [m for m in dict.fromkeys(m for run in runs for m in run["config"]["methods"]) if
-          any(_has_units(run, m) for run in runs)]
+def merged_methods(runs: Sequence[dict]) -> list[str]:
+  """The merged table's methods in order: each run's methods, in its config's order, that have units in it or
+  in a run before it."""
+  have: set[str] = set()
+  methods: list[str] = []
+  for run in runs:
+    have |= {r["method"] for r in run["records"]}
+    methods += [m for m in run["config"]["methods"] if m not in methods and m in have]
+  return methods
 
 
 def _has_units(run: dict, method: str) -> bool:
