@@ -38,6 +38,7 @@ import optax
 from flax import traverse_util
 
 from pcsr_jax import losses
+from pcsr_jax.errors import UserError
 from pcsr_jax.methods.hyperparameters import check_hyperparameters, field
 from pcsr_jax.methods.rows import in_row_passes
 from pcsr_jax.methods.state import AdaptState, Prepared
@@ -66,6 +67,13 @@ def merge(frozen: Params, trainable: Params) -> Params:
   flat = traverse_util.flatten_dict(frozen)
   flat.update(traverse_util.flatten_dict(trainable))
   return traverse_util.unflatten_dict(flat)
+
+
+def require_head(method: str, model: nn.Module, params: Params) -> None:
+  """A one-line error unless the model has a linear classification head (the methods that read or replace it:
+  T3A's prototypes, NEO's re-centred head, PEA's)."""
+  if model.config.num_classes == 0 or "head" not in params:
+    raise UserError(f"{method}: the model needs a linear classification head (num_classes > 0)")
 
 
 def is_layernorm_param(path: Path) -> bool:

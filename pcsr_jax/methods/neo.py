@@ -55,8 +55,7 @@ import jax.numpy as jnp
 import optax
 
 from pcsr_jax import losses
-from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import Method, Prepared, merge
+from pcsr_jax.methods.base import Method, Prepared, merge, require_head
 from pcsr_jax.methods.hyperparameters import field
 from pcsr_jax.methods.rows import in_row_passes
 
@@ -101,8 +100,7 @@ class NEO(Method):
   alpha: float = field(0.0, "[0, 1]")
 
   def prepare(self, model, params, rng, batch_size):
-    if model.config.num_classes == 0 or "head" not in params:
-      raise UserError("neo: the model needs a linear classification head (num_classes > 0)")
+    require_head("neo", model, params)
     return Prepared(model, params, is_trainable=lambda path: False, tx=optax.identity())
 
   def init_extra(self, prep, trainable, opt_state):

@@ -75,7 +75,7 @@ import optax
 
 from pcsr_jax import losses
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import Method, Prepared, merge
+from pcsr_jax.methods.base import Method, Prepared, merge, require_head
 from pcsr_jax.methods.hyperparameters import field
 from pcsr_jax.methods.rows import in_row_passes
 
@@ -230,8 +230,7 @@ class PEA(Method):
     return f"pea-g{self.group_size}-reg{self.reg:g}"
 
   def prepare(self, model, params, rng, batch_size):
-    if model.config.num_classes == 0 or "head" not in params:
-      raise UserError("pea: the model needs a linear classification head (num_classes > 0)")
+    require_head("pea", model, params)
     return Prepared(model, params, is_trainable=lambda path: False, tx=optax.identity())
 
   def init_extra(self, prep, trainable, opt_state):

@@ -47,7 +47,7 @@ import optax
 
 from pcsr_jax import losses
 from pcsr_jax.errors import UserError
-from pcsr_jax.methods.base import Method, Prepared, merge
+from pcsr_jax.methods.base import Method, Prepared, merge, require_head
 from pcsr_jax.methods.hyperparameters import field
 from pcsr_jax.methods.rows import in_row_passes
 
@@ -128,8 +128,7 @@ class T3A(Method):
   filter_k: int = field(20, ">= 1")
 
   def prepare(self, model, params, rng, batch_size):
-    if model.config.num_classes == 0 or "head" not in params:
-      raise UserError("t3a: the model needs a linear classification head (num_classes > 0)")
+    require_head("t3a", model, params)
     dim, classes = params["head"]["kernel"].shape
     if getattr(model, "class_subset", None) is not None:
       classes = len(model.class_subset)
