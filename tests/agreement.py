@@ -33,21 +33,36 @@ def stream(steps: int, seed: int = 1, scale: float = 1.0) -> list[np.ndarray]:
   return [scale * rng.standard_normal((B, CFG.img_size, CFG.img_size, 3)).astype(np.float32) for _ in range(steps)]
 
 
+def nchw(x: np.ndarray):
+  """A batch of NHWC images (ours) as the NCHW torch tensor a reference takes."""
+  import torch
+
+  return torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2)))
+
+
+def step_both(ad: engine.Adapter, state: Any, ref: Any, x: np.ndarray, *ref_args: Any,
+              logits_atol: float = 1e-4) -> tuple[Any, np.ndarray, dict]:
+  """One step of both on ``x`` (a ragged batch too: the JAX logits of its rows only); asserts the same prediction
+  for every clearly decided sample and the logits within float noise. Returns the JAX state, logits and
+  metrics."""
+  state, logits, metrics = ad.step(state, x)
+  logits = np.asarray(logits)[:len(x)]
+  t_logits = ref.step(nchw(x), *ref_args).numpy()
+  float_checks.assert_predictions_match(t_logits.argmax(-1), logits)
+  np.testing.assert_allclose(logits, t_logits, atol=logits_atol, rtol=1e-4)
+  return state, logits, metrics
+
+
 def run(ad: engine.Adapter, ref: Any, xs: Iterable[np.ndarray], logits_atol: float = 1e-4,
         before: Optional[Callable[[Any, np.ndarray], None]] = None) -> tuple[Any, list[dict]]:
   """Steps both on every batch; asserts the same prediction for every clearly decided sample and the logits
   within float noise. ``before(state, x)`` sees the JAX state before each step. Returns the JAX state and each
   step's metrics (floats)."""
-  import torch
-
   state, trace = ad.init_state(), []
   for x in xs:
     if before is not None:
       before(state, x)
-    state, logits, metrics = ad.step(state, x)
-    t_logits = ref.step(torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2)))).numpy()
-    float_checks.assert_predictions_match(t_logits.argmax(-1), np.asarray(logits))
-    np.testing.assert_allclose(np.asarray(logits), t_logits, atol=logits_atol, rtol=1e-4)
+    state, _, metrics = step_both(ad, state, ref, x, logits_atol=logits_atol)
     trace.append({k: float(np.asarray(v)) for k, v in metrics.items() if np.ndim(v) == 0})
   return state, trace
 

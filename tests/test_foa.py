@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import agreement
 from pcsr_jax import engine, methods
 from pcsr_jax.cmaes import CMAES
 from pcsr_jax.methods.base import split
@@ -167,7 +168,6 @@ def test_cmaes_update_matches_pycma_on_its_samples():
 def test_agrees_with_torch_reference_on_its_samples():
   """The official step (timm + prompts + pycma) and ours, given pycma's 27 samples per batch: same 28 fitnesses,
   best candidate, reported (shifted) logits, activation-shift EMA and CMA-ES state, over a ragged stream."""
-  import torch
   from benchmarks.torch_methods.foa import Reference
   from pcsr_jax import timm_parity, weights
 
@@ -182,9 +182,8 @@ def test_agrees_with_torch_reference_on_its_samples():
   frozen, trainable = split(ad.prep.params, ad.prep.is_trainable)
   stats = m.compute_source_stats(ad.prep, frozen, trainable, iter([(b, None) for b in src]))
   ad = engine.Adapter(m, model, params, batch_size=16, source_stats=stats)
-  nchw = lambda x: torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2)))
   init = np.asarray(m.initial_prompts(model))
-  ref = Reference(tm, 16, source_batches=[nchw(b) for b in src], initial_prompts=init)
+  ref = Reference(tm, 16, source_batches=[agreement.nchw(b) for b in src], initial_prompts=init)
   np.testing.assert_allclose(stats["mean"], ref.train_info[1].numpy(), rtol=1e-4, atol=1e-5)
   np.testing.assert_allclose(stats["std"], ref.train_info[0].numpy(), rtol=1e-4, atol=1e-5)
 
@@ -193,7 +192,7 @@ def test_agrees_with_torch_reference_on_its_samples():
   state = ad.init_state()
   bests = []
   for i, x in enumerate(batches(5, 16, cfg, seed=3, last=10)):
-    want = ref.step(nchw(x)).numpy()
+    want = ref.step(agreement.nchw(x)).numpy()
     xp, valid = ad.pad(x)
     state, logits, _, fit = adapt(ad.frozen, ad.consts, state, xp, valid, jnp.asarray(ref.candidates[:27], jnp.float32))
     fit = np.asarray(fit)

@@ -12,7 +12,6 @@ import pytest
 from flax import traverse_util
 
 import agreement
-import float_checks
 from pcsr_jax import engine, methods, weights
 from pcsr_jax.errors import UserError
 from pcsr_jax.methods.base import split
@@ -131,8 +130,6 @@ def test_imse_matches_the_official_style_reference():
   the source), ragged last batches. Every step: identical predictions, logits within 1e-4, the same shift value,
   detection, expert loaded and filter counts; at the end S within 2e-3 of its update's size (the two programs'
   SVDs differ in their last bits, and 12 SAM steps through entropy filters amplify that)."""
-  import torch
-
   from benchmarks.torch_reference import make_reference
   from pcsr_jax import timm_parity
 
@@ -148,7 +145,7 @@ def test_imse_matches_the_official_style_reference():
   _, stats = _stats(method, model, params, [(source[i:i + 8], None) for i in range(0, len(source), 8)])
   ad = engine.Adapter(method, model, params, batch_size=agreement.B, source_stats=stats)
   ref = make_reference("imse", timm_parity.timm_model(CFG5, sd), agreement.B, skip=("blocks.4",),
-                       source=torch.from_numpy(source.transpose(0, 3, 1, 2).copy()), **hp)
+                       source=agreement.nchw(source), **hp)
   np.testing.assert_allclose(stats["var"], ref.domain_infos[0][0].numpy(), rtol=1e-5)
   np.testing.assert_allclose(stats["mean"], ref.domain_infos[0][1].numpy(), rtol=1e-5, atol=1e-6)
 
@@ -158,11 +155,7 @@ def test_imse_matches_the_official_style_reference():
       state = ad.reset(state)
       ref.reset()
     for x in xs:
-      state, logits, m = ad.step(state, x)
-      logits = np.asarray(logits)[:len(x)]
-      t_logits = ref.step(torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2)))).numpy()
-      float_checks.assert_predictions_match(t_logits.argmax(-1), logits)
-      np.testing.assert_allclose(logits, t_logits, atol=1e-4, rtol=1e-4)
+      state, logits, m = agreement.step_both(ad, state, ref, x)
       assert abs(float(m["shift"]) - hp["dss_k"]) > 0.1  # no detection decided by float noise
       np.testing.assert_allclose(float(m["shift"]), ref.last_shift, rtol=1e-4, atol=1e-6)
       assert int(m["expert"]) == (-1 if ref.selected is None else ref.selected)

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 import agreement
-import float_checks
 from pcsr_jax import engine, methods
 from pcsr_jax.errors import UserError
 from pcsr_jax.models.vit import features_and_logits
@@ -94,11 +93,7 @@ def test_neo_matches_the_official_style_reference():
         ref.reset()
         resets += 1
       for x in xs:
-        state, logits, metrics = ad.step(state, x)
-        logits = np.asarray(logits)[:len(x)]
-        t_logits = ref.step(torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2)))).numpy()
-        float_checks.assert_predictions_match(t_logits.argmax(-1), logits)
-        np.testing.assert_allclose(logits, t_logits, atol=1e-4, rtol=1e-4)
+        state, logits, metrics = agreement.step_both(ad, state, ref, x)
         mine, theirs = np.asarray(state.extra.mean), ref.center()
         rel = float(np.abs(mine - theirs).max() / np.abs(theirs).max())
         assert rel < 1e-5, rel
@@ -107,7 +102,7 @@ def test_neo_matches_the_official_style_reference():
           assert int(state.extra.count) == ref.adapt_sample_count
         counts.append(int(metrics["seen"]))
         with torch.no_grad():  # the source head on the same embeddings, without the centre
-          source = ref.classifier(ref.feature_extractor(torch.from_numpy(x.transpose(0, 3, 1, 2).copy()))).numpy()
+          source = ref.classifier(ref.feature_extractor(agreement.nchw(x))).numpy()
         changed += int((source.argmax(-1) != logits.argmax(-1)).sum())
     print(f"neo alpha {alpha}: samples in the centre per step {counts}, resets {resets}, predictions moved off the "
           f"source head {changed}; centre max rel diff {worst:.2e}")
